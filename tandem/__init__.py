@@ -1,0 +1,8 @@
+"""Tandem: an LLM serving engine built around exact, fast MTP speculative decoding."""
+
+from tandem.llm import LLM
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Benchmarks: datasets, a Hugging Face reference and the throughput benchmark."""

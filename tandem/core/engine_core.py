@@ -1,0 +1,129 @@
+"""The engine core: scheduler + model runner in one loop. ``step()`` is the whole story:
+
+    step = scheduler.schedule()
+    results = model_runner.execute(step)
+    updates = scheduler.update_from_output(step, results)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.core.kv_cache import BlockManager
+from tandem.core.scheduler import RequestUpdate, Scheduler
+from tandem.models.loader import load_arch_config, resolve_model
+from tandem.request import Request, RequestStatus
+from tandem.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+
+class EngineCore:
+    """Owns the scheduler, block manager and model runner of one engine instance."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.arch = load_arch_config(self.model_path)
+        max_len = config.scheduler.max_model_len or self.arch.max_position_embeddings
+        self.max_model_len = max_len
+        dtype = getattr(torch, config.resolved_dtype_name())
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks
+        if num_blocks is None:
+            per_block = kv_cache_bytes_per_block(self.arch, block_size, dtype)
+            num_blocks = max(1, int(config.cache.kv_cache_memory_gb * 2**30 // per_block))
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(config, self.model_path, max_len, num_blocks)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len)
+        self.counters = {
+            "num_requests_added": 0,
+            "num_requests_finished": 0,
+            "num_requests_aborted": 0,
+            "num_prompt_tokens": 0,
+            "num_generation_tokens": 0,
+            "num_steps": 0,
+            "num_preemptions": 0,
+        }
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError if the prompt can never run on this engine."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.arch.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens; the context is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        needed = self.block_manager.blocks_needed(len(prompt_token_ids) + 1)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens, more than the KV cache holds "
+                f"({self.num_blocks} blocks of {self.block_manager.block_size})"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.validate(request.prompt_token_ids)
+        self.scheduler.add_request(request)
+        self.counters["num_requests_added"] += 1
+        self.counters["num_prompt_tokens"] += request.num_prompt_tokens
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request wherever it is; returns False for unknown or finished ids."""
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self.counters["num_requests_aborted"] += 1
+        return request is not None
+
+    def finish_request(self, request_id: str, stop_reason: str) -> None:
+        """End a request whose stop string matched outside the core."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestUpdate]:
+        """Schedule, run and post-process one step."""
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            if step.finished_request_ids:
+                self.runner.execute(step)  # drop per-request state of finished requests
+            return []
+        results = self.runner.execute(step)
+        updates = self.scheduler.update_from_output(step, results)
+        now = time.monotonic()
+        self.counters["num_steps"] += 1
+        self.counters["num_preemptions"] = self.scheduler.num_preemptions
+        for update in updates:
+            self.counters["num_generation_tokens"] += len(update.new_token_ids)
+            if update.finish_reason is not None:
+                self.counters["num_requests_finished"] += 1
+        for row in step.scheduled:
+            if row.request.first_token_time is None and row.request.output_token_ids:
+                row.request.first_token_time = now
+        return updates
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges of this engine (a flat dict)."""
+        return {
+            **self.counters,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": self.block_manager.usage,
+            "num_kv_blocks": self.num_blocks,
+            "num_free_kv_blocks": self.block_manager.num_free_blocks,
+            "prefix_cache_queries": self.block_manager.prefix_queries,
+            "prefix_cache_hits": self.block_manager.prefix_hits,
+        }

@@ -1,0 +1,138 @@
+"""Token sampling (greedy, temperature, top-k, top-p, min-p, per-request seeds) and logprobs.
+
+Logprobs are always the raw ``log_softmax`` of the model's logits, before any temperature
+or filtering, as vLLM returns them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as device tensors."""
+
+    temperature: torch.Tensor  # [N] fp32, 1.0 on greedy rows (unused there)
+    greedy: torch.Tensor  # [N] bool
+    top_k: torch.Tensor | None  # [N] long, vocab size where disabled; None if unused
+    top_p: torch.Tensor | None  # [N] fp32; None if unused
+    min_p: torch.Tensor | None  # [N] fp32; None if unused
+    # Per row: its own generator (seeded request) or None (the engine's generator).
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        greedy = [p.greedy for p in params]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        uses = lambda values, off: any(values[i] != off for i in sampled_rows)  # noqa: E731
+        return cls(
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device
+            ),
+            greedy=torch.tensor(greedy, device=device),
+            top_k=torch.tensor(top_k, device=device) if uses(top_k, vocab_size) else None,
+            top_p=torch.tensor(top_p, device=device) if uses(top_p, 1.0) else None,
+            min_p=torch.tensor(min_p, device=device) if uses(min_p, 0.0) else None,
+            generators=generators,
+            all_greedy=not sampled_rows,
+        )
+
+
+def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p: the distribution each row samples from."""
+    logits = logits / batch.temperature[:, None]
+    if batch.top_k is not None:
+        max_k = int(batch.top_k.max())
+        top_values = logits.topk(max_k, dim=-1).values
+        kth = top_values.gather(1, (batch.top_k - 1).clamp(max=max_k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if batch.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already cover top_p.
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= batch.top_p[:, None]
+        drop_sorted &= batch.top_p[:, None] < 1.0
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if batch.min_p is not None:
+        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, default_generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row: argmax on greedy rows, an exact draw from the filtered
+    distribution elsewhere (exponential race, so each seeded row consumes only its own
+    generator and gets the same token alone or in any batch)."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_tokens
+    probs = apply_filters(logits, batch)
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(batch.generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(
+            (len(unseeded), probs.shape[1]), device=probs.device
+        ).exponential_(generator=default_generator)
+    for row, generator in enumerate(batch.generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.greedy, greedy_tokens, sampled)
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of chosen tokens and the top-N alternatives, per row."""
+
+    token_logprobs: torch.Tensor  # [N]
+    ranks: torch.Tensor  # [N] 1 = most likely
+    top_ids: torch.Tensor  # [N, num_top]
+    top_logprobs: torch.Tensor  # [N, num_top]
+
+    def to_lists(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """Host lists (one device-to-host copy per tensor)."""
+        token_logprobs = self.token_logprobs.tolist()
+        ranks = self.ranks.tolist()
+        top_ids = self.top_ids.tolist()
+        top_logprobs = self.top_logprobs.tolist()
+        return [
+            (token_logprobs[i], ranks[i], list(zip(top_ids[i], top_logprobs[i])))
+            for i in range(len(ranks))
+        ]
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> LogprobsTensors:
+    """Raw log_softmax logprob and rank of ``token_ids`` and the ``num_top`` best tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    token_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > token_logprobs[:, None]).sum(dim=-1) + 1
+    top = logprobs.topk(num_top, dim=-1) if num_top > 0 else None
+    empty = logprobs.new_empty((logprobs.shape[0], 0))
+    return LogprobsTensors(
+        token_logprobs=token_logprobs,
+        ranks=ranks,
+        top_ids=top.indices if top is not None else empty.long(),
+        top_logprobs=top.values if top is not None else empty,
+    )

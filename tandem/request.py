@@ -1,0 +1,93 @@
+"""One request's state inside the engine core. Plain Python: no torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+# One generated position's logprobs: (sampled token id, its logprob, its rank,
+# [(top token id, logprob), ...] sorted by logprob descending).
+TokenLogprobs = tuple[int, float, int, list[tuple[int, float]]]
+
+
+@dataclass
+class Request:
+    """A request as the scheduler sees it: tokens, progress and finish state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Tokens whose KV is in the cache (prompt and output alike).
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at the last admission.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Index i holds the logprobs of prompt token i + 1 (prompt token 0 has none).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    # Draft tokens proposed for the next step (speculative decoding).
+    draft_token_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """The output limit; without one, the model's context is the only limit."""
+        max_tokens = self.sampling_params.max_tokens
+        return max_tokens if max_tokens is not None else 1 << 62
+
+    def token_at(self, index: int) -> int:
+        """The token at absolute position ``index`` (prompt first, then output)."""
+        if index < self.num_prompt_tokens:
+            return self.prompt_token_ids[index]
+        return self.output_token_ids[index - self.num_prompt_tokens]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not self.status.finished:
+            return None
+        return self.status.value
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
