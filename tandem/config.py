@@ -12,7 +12,7 @@ class CacheConfig:
     block_size: int = 16
     # Explicit number of blocks; when None it is derived from kv_cache_memory_gb.
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

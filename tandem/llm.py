@@ -39,7 +39,7 @@ class LLM:
         max_model_len: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float = 2.0,
+        kv_cache_memory_gb: float = 1.0,
         enable_prefix_caching: bool = True,
         seed: int = 0,
         tokenizer: str | None = None,

@@ -14,7 +14,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.kv_cache import BlockManager
 from tandem.core.scheduler import RequestUpdate, Scheduler
-from tandem.models.loader import load_arch_config, resolve_model
+from tandem.models.loader import ModelFiles
 from tandem.request import Request, RequestStatus
 from tandem.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
@@ -24,8 +24,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_path = resolve_model(config.model)
-        self.arch = load_arch_config(self.model_path)
+        files = ModelFiles(config.model)
+        self.model_path = files.path
+        self.arch = files.arch
         max_len = config.scheduler.max_model_len or self.arch.max_position_embeddings
         self.max_model_len = max_len
         dtype = getattr(torch, config.resolved_dtype_name())
@@ -35,7 +36,7 @@ class EngineCore:
             per_block = kv_cache_bytes_per_block(self.arch, block_size, dtype)
             num_blocks = max(1, int(config.cache.kv_cache_memory_gb * 2**30 // per_block))
         self.num_blocks = num_blocks
-        self.runner = ModelRunner(config, self.model_path, max_len, num_blocks)
+        self.runner = ModelRunner(config, files, max_len, num_blocks)
         self.block_manager = BlockManager(
             num_blocks, block_size, config.cache.enable_prefix_caching
         )

@@ -46,29 +46,42 @@ def resolve_model(model: str | None) -> str:
     return model
 
 
-def load_arch_config(model: str) -> ModelArchConfig:
-    """The architecture of a resolved model (see ``resolve_model``)."""
-    if model.startswith(DUMMY_PREFIX):
-        return dummy_preset(model.removeprefix(DUMMY_PREFIX))
-    if os.path.isdir(model):
-        with open(os.path.join(model, "config.json")) as f:
-            return ModelArchConfig.from_hf_config(json.load(f))
-    return _gguf_arch_config(_open_gguf(model))
+class ModelFiles:
+    """A resolved model: its architecture and a way to read its weights (opened once)."""
+
+    def __init__(self, model: str | None):
+        self.path = resolve_model(model)
+        self._gguf = None
+        if self.path.startswith(DUMMY_PREFIX):
+            self.arch = dummy_preset(self.path.removeprefix(DUMMY_PREFIX))
+        elif os.path.isdir(self.path):
+            with open(os.path.join(self.path, "config.json")) as f:
+                self.arch = ModelArchConfig.from_hf_config(json.load(f))
+        else:
+            self._gguf = _open_gguf(self.path)
+            self.arch = _gguf_arch_config(self._gguf)
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.path.startswith(DUMMY_PREFIX)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hugging Face-named fp32 (or checkpoint-dtype) tensors."""
+        if self._gguf is not None:
+            return _iter_gguf(self._gguf, self.arch)
+        return _iter_safetensors(self.path)
 
 
 def load_model(
-    model: str, max_position: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+    files: ModelFiles, max_position: int, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> LlamaModel:
     """Build the model on ``device`` in ``dtype`` and fill its weights."""
-    arch = load_arch_config(model)
     with torch.device(device):
-        net = LlamaModel(arch, max_position)
-    if model.startswith(DUMMY_PREFIX):
+        net = LlamaModel(files.arch, max_position)
+    if files.is_dummy:
         _fill_dummy(net, seed)
-    elif os.path.isdir(model):
-        net.load_weights(_iter_safetensors(model))
     else:
-        net.load_weights(_iter_gguf(_open_gguf(model), arch))
+        net.load_weights(files.iter_weights())
     return net.to(dtype).eval()
 
 

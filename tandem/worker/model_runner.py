@@ -14,7 +14,7 @@ from tandem.config import EngineConfig
 from tandem.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import TorchAttentionBackend
 from tandem.layers.sampler import SamplingBatch, compute_logprobs, sample
-from tandem.models.loader import load_model
+from tandem.models.loader import ModelFiles, load_model
 from tandem.request import TokenLogprobs
 
 
@@ -42,12 +42,14 @@ def kv_cache_bytes_per_block(arch, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     """Runs the model for the scheduler's steps on one device."""
 
-    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int, num_blocks: int):
+    def __init__(
+        self, config: EngineConfig, files: ModelFiles, max_model_len: int, num_blocks: int
+    ):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.resolved_dtype_name())
         self.block_size = config.cache.block_size
-        self.model = load_model(model_path, max_model_len, self.dtype, self.device, config.seed)
+        self.model = load_model(files, max_model_len, self.dtype, self.device, config.seed)
         self.arch = self.model.arch
         self.backend = TorchAttentionBackend()
         cache_shape = (2, num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)

@@ -1,0 +1,52 @@
+"""Shared fixtures: engines built once per session, and the block-accounting check that runs
+after every test (DESIGN.md invariant 4: when every request has ended, every KV block is free)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import LLM
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def llm_cache():
+    """Engines by configuration, so each distinct engine loads once per session."""
+    return {}
+
+
+@pytest.fixture
+def make_llm(llm_cache, request):
+    """``make_llm(**kwargs)`` returns a (cached) LLM; every engine used by the test is
+    checked after it for leaked KV blocks and unfinished requests."""
+    used: list[LLM] = []
+
+    def factory(**kwargs) -> LLM:
+        key = tuple(sorted(kwargs.items()))
+        if key not in llm_cache:
+            llm_cache[key] = LLM(**kwargs)
+        used.append(llm_cache[key])
+        return llm_cache[key]
+
+    yield factory
+    for llm in used:
+        core = llm.engine
+        assert not core.has_unfinished_requests(), "a request was left unfinished"
+        assert core.block_manager.all_blocks_free(), (
+            f"KV blocks leaked: {core.block_manager.num_free_blocks} of {core.num_blocks} free"
+        )
+
+
+@pytest.fixture
+def llm(make_llm) -> LLM:
+    """The default model with default settings."""
+    return make_llm()
