@@ -228,7 +228,10 @@ def run_throughput(
             "hf_batch_size": hf_batch_size,
             "seed": seed,
             "skip_hf": skip_hf,
-            "llm_kwargs": {k: str(v) for k, v in llm_kwargs.items()},
+            "llm_kwargs": {
+                k: v if isinstance(v, (str, int, float, bool)) else str(v)
+                for k, v in llm_kwargs.items()
+            },
         },
         "machine": _machine_info(device, threads),
         "num_requests": len(reqs),

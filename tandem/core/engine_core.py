@@ -36,6 +36,9 @@ class EngineCore:
             per_block = kv_cache_bytes_per_block(self.arch, block_size, dtype)
             num_blocks = max(1, int(config.cache.kv_cache_memory_gb * 2**30 // per_block))
         self.num_blocks = num_blocks
+        # One request alone must always fit, or it would preempt itself forever.
+        max_len = min(max_len, num_blocks * block_size)
+        self.max_model_len = max_len
         self.runner = ModelRunner(config, files, max_len, num_blocks)
         self.block_manager = BlockManager(
             num_blocks, block_size, config.cache.enable_prefix_caching

@@ -108,7 +108,9 @@ class BlockManager:
         """Register the request's blocks that are full of computed, known tokens."""
         if not self.enable_prefix_caching:
             return
-        blocks = self._req_blocks.get(request.request_id, [])
+        blocks = self._req_blocks.get(request.request_id)
+        if not blocks:
+            return
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
         hashes = self._chain_hashes(request, num_full)
         for index in range(num_full):

@@ -196,6 +196,8 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += row.num_new_tokens
+            # Before any stop check: finishing frees the blocks.
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             request_id = request.request_id
             new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
             request.prompt_logprobs.extend(new_prompt_logprobs)
@@ -211,7 +213,6 @@ class Scheduler:
                     new_logprobs.append(sampled_logprobs[position])
                 if self._check_stop(request, token_id):
                     break
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             if new_tokens or new_prompt_logprobs or request.is_finished:
                 updates.append(
                     RequestUpdate(

@@ -25,6 +25,8 @@ class SamplingBatch:
     # Per row: its own generator (seeded request) or None (the engine's generator).
     generators: list[torch.Generator | None]
     all_greedy: bool
+    # (row, token id) pairs that must not be sampled (end tokens before min_tokens).
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -33,6 +35,7 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
+        banned: list[tuple[int, int]] | None = None,
     ) -> SamplingBatch:
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
@@ -50,6 +53,7 @@ class SamplingBatch:
             min_p=torch.tensor(min_p, device=device) if uses(min_p, 0.0) else None,
             generators=generators,
             all_greedy=not sampled_rows,
+            banned=torch.tensor(banned, device=device).unbind(1) if banned else None,
         )
 
 
@@ -83,6 +87,8 @@ def sample(
     """One token per row: argmax on greedy rows, an exact draw from the filtered
     distribution elsewhere (exponential race, so each seeded row consumes only its own
     generator and gets the same token alone or in any batch)."""
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, logits.new_tensor(float("-inf")))
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens

@@ -139,8 +139,15 @@ class ModelRunner:
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput):
         rows = [row for row, _ in inputs.sample_rows]
         params = [row.request.sampling_params for row in rows]
+        # End tokens cannot be sampled before min_tokens (logprobs stay raw).
+        banned = [
+            (i, token)
+            for i, row in enumerate(rows)
+            if row.request.num_output_tokens < params[i].min_tokens
+            for token in params[i].end_token_ids()
+        ]
         batch = SamplingBatch.build(
-            params, [self._generator(row) for row in rows], logits.shape[-1], self.device
+            params, [self._generator(row) for row in rows], logits.shape[-1], self.device, banned
         )
         token_ids = sample(logits, batch, self.default_generator)
         wants = [p.logprobs is not None for p in params]

@@ -1,0 +1,94 @@
+"""Command line: ``tandem generate`` and ``tandem bench throughput``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that starts an engine."""
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "seed": args.seed,
+    }
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(model=args.model, **engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    if args.raw:
+        output = llm.generate(args.prompt, params)[0]
+    else:
+        output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    completion = output.outputs[0]
+    print(completion.text)
+    print(
+        f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
+        f"finish_reason={completion.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate a reply to one prompt")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default=None, help="GGUF file, HF directory or dummy:NAME")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=-1)
+    generate.add_argument("--raw", action="store_true", help="skip the chat template")
+    add_engine_arguments(generate)
+    generate.set_defaults(handler=_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = bench_commands.add_parser("throughput", help="offline throughput against HF")
+    from tandem.bench import throughput as throughput_bench
+
+    throughput_bench.add_cli_arguments(throughput)
+    throughput.set_defaults(handler=throughput_bench.main_from_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
