@@ -120,8 +120,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        num_seqs, max_blocks = metadata.block_tables.shape
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_seqs = metadata.block_tables.shape[0]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
         num_heads = q.shape[1]
         keys = k_cache[metadata.block_tables].view(num_seqs, -1, num_kv_heads, head_dim)
         values = v_cache[metadata.block_tables].view(num_seqs, -1, num_kv_heads, head_dim)

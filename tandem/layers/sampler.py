@@ -42,7 +42,10 @@ class SamplingBatch:
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
-        uses = lambda values, off: any(values[i] != off for i in sampled_rows)  # noqa: E731
+
+        def uses(values: list, off: float) -> bool:
+            return any(values[i] != off for i in sampled_rows)
+
         return cls(
             temperature=torch.tensor(
                 [1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device

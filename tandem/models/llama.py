@@ -174,7 +174,7 @@ class LlamaModel(nn.Module):
     def _check_complete(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
         expected: set[str] = set()
         for name in params:
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
                 expected |= {f"{name}#{i}" for i in range(3)}
             elif name.endswith("gate_up_proj.weight"):
                 expected |= {f"{name}#{i}" for i in range(2)}

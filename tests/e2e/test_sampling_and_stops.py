@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from tandem import SamplingParams
 
 PROMPTS = [
@@ -66,7 +68,7 @@ def test_logprobs_hold_top_n_sorted_and_the_sampled_token(llm):
         assert token in position
         top = sorted((lp for t, lp in position.items() if lp.rank <= 5), key=lambda x: x.rank)
         assert [lp.rank for lp in top] == [1, 2, 3, 4, 5]
-        assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
+        assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(top))
         assert position[token].rank >= 1 and position[token].decoded_token is not None
 
 
