@@ -1,0 +1,137 @@
+"""The OpenAI-compatible HTTP server (FastAPI). The engine core runs in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
+from tandem.server.metrics import ServerMetrics
+from tandem.server.openai_serving import RequestRun, prepare_chat, prepare_completion
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+DISCONNECT_POLL_S = 0.2
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, rendered in the OpenAI error schema."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def build_app(
+    client: AsyncEngineClient,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_pending_requests: int = 1024,
+) -> FastAPI:
+    """An app serving ``client``; the caller starts and stops the client (see ``lifespan``)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not client.info:
+            await client.start()
+        yield
+        await client.shutdown()
+
+    app = FastAPI(title="Tandem", lifespan=lifespan)
+    metrics = ServerMetrics(served_model_name)
+    app.state.client, app.state.metrics = client, metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, exc: ApiError):
+        return JSONResponse(error_body(exc.message, exc.kind, exc.status, exc.param), exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), 400)
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                body = error_body("invalid or missing API key", "authentication_error", 401)
+                return JSONResponse(body, 401)
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves "
+                                f"{served_model_name!r}", "not_found_error", "model")
+
+    def check_capacity() -> None:
+        if client.dead:
+            raise ApiError(503, f"engine is not running: {client.dead}", "service_unavailable")
+        if client.num_active_requests >= max_pending_requests:
+            raise ApiError(503, "server is over its request limit; retry later",
+                           "service_unavailable")
+
+    async def serve(run: RequestRun, request: Request):
+        if run.prepared.stream:
+            return StreamingResponse(run.stream(), media_type="text/event-stream")
+        task = asyncio.create_task(run.full_response())
+        # Abort the request if the client goes away while we wait.
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=499)
+        try:
+            return JSONResponse(task.result())
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), "service_unavailable") from e
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        check_capacity()
+        try:
+            prepared = prepare_completion(body, client)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        return await serve(RequestRun(prepared, client, metrics, served_model_name), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        check_capacity()
+        try:
+            prepared = prepare_chat(body, client)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        return await serve(RequestRun(prepared, client, metrics, served_model_name), request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "tandem", "max_model_len": client.info.get("max_model_len")}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if client.dead:
+            return JSONResponse({"status": "error", "reason": client.dead}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(client.stats), media_type="text/plain; version=0.0.4")
+
+    return app

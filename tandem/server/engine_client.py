@@ -1,0 +1,186 @@
+"""The API process's handle on the engine core process: submit, stream, abort.
+
+One asyncio task reads result frames and routes each request's outputs to its own queue.
+Detokenization and stop strings happen here (OutputProcessor); a matched stop string is
+sent back to the core, which finishes the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import zmq
+import zmq.asyncio
+
+from tandem.config import EngineConfig
+from tandem.core.engine_proc import (
+    pack,
+    params_to_dict,
+    run_engine_core,
+    unpack,
+    update_from_list,
+)
+from tandem.models.loader import resolve_model
+from tandem.output_processor import OutputProcessor
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import Tokenizer
+
+STARTUP_TIMEOUT_S = 600
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process exited."""
+
+
+class RequestRejected(ValueError):
+    """The engine core refused a request (the message says why)."""
+
+
+class AsyncEngineClient:
+    """Starts the engine core process and multiplexes requests over ZeroMQ."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+        self.config = config
+        model_path = resolve_model(config.model)
+        if tokenizer is None:
+            source = resolve_model(None) if model_path.startswith("dummy:") else model_path
+            tokenizer = Tokenizer.from_model_path(source)
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
+        self.info: dict = {}
+        self.stats: dict = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._socket_dir = tempfile.mkdtemp(prefix="tandem-")
+        self._input_address = f"ipc://{os.path.join(self._socket_dir, 'in')}"
+        self._output_address = f"ipc://{os.path.join(self._socket_dir, 'out')}"
+        self._context = zmq.asyncio.Context()
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._to_core.bind(self._input_address)
+        self._from_core = self._context.socket(zmq.PULL)
+        self._from_core.bind(self._output_address)
+        self._process: multiprocessing.Process | None = None
+        self._reader: asyncio.Task | None = None
+        self.dead: str | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn the core process and wait until its model is loaded."""
+        context = multiprocessing.get_context("spawn")
+        self._process = context.Process(
+            target=run_engine_core,
+            args=(self.config, self._input_address, self._output_address),
+            daemon=True,
+            name="tandem-engine-core",
+        )
+        self._process.start()
+        while True:
+            if await self._from_core.poll(1000):
+                message = unpack(await self._from_core.recv())
+                if message[0] == "ready":
+                    self.info = message[1]
+                    break
+                if message[0] == "failed":
+                    raise RuntimeError(f"engine core failed to start: {message[1]}")
+            elif not self._process.is_alive():
+                raise RuntimeError("engine core process exited during startup")
+        self._reader = asyncio.create_task(self._read_results())
+
+    async def shutdown(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            await self._to_core.send(pack(["shutdown"]))
+            await asyncio.to_thread(self._process.join, 10)
+            if self._process.is_alive():
+                self._process.kill()
+        if self._reader is not None:
+            self._reader.cancel()
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._context.term()
+
+    async def _read_results(self) -> None:
+        while True:
+            if not await self._from_core.poll(1000):
+                if self._process is not None and not self._process.is_alive():
+                    self._fail_all("the engine core process exited")
+                    return
+                continue
+            message = unpack(await self._from_core.recv())
+            if message[0] == "updates":
+                self.stats = message[2]
+                updates = [update_from_list(u) for u in message[1]]
+                outputs, stopped = self.processor.process(updates, delta=True)
+                for request_id, stop_string in stopped:
+                    await self._to_core.send(pack(["finish", request_id, stop_string]))
+                for output in outputs:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            elif message[0] == "error":
+                queue = self._queues.get(message[1])
+                self.processor.abort(message[1])
+                if queue is not None:
+                    queue.put_nowait(RequestRejected(message[2]))
+
+    def _fail_all(self, why: str) -> None:
+        self.dead = why
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(why))
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject what the core would reject, before it is sent (ValueError)."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        max_len = self.info["max_model_len"]
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens; the model's context is {max_len} "
+                "and at least one token must be generated"
+            )
+        vocab = self.info["vocab_size"]
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    async def generate(
+        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its delta outputs; aborts it if the caller stops early."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        self.validate_prompt(prompt_token_ids, params)
+        request_id = f"req-{next(self._ids)}"
+        params = replace(params, eos_token_ids=self.tokenizer.end_token_ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.processor.add_request(request_id, prompt, prompt_token_ids, params)
+        finished = False
+        try:
+            await self._to_core.send(
+                pack(["add", request_id, prompt_token_ids, params_to_dict(params)])
+            )
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.processor.abort(request_id)
+                if not self.dead:
+                    await self._to_core.send(pack(["abort", [request_id]]))
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._queues)

@@ -1,0 +1,64 @@
+"""Prometheus metrics of one server (its own registry, no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    """Request outcomes, token counts, latency histograms and engine gauges."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        r = self.registry
+        self.requests = Counter(
+            "tandem:request_success", "Finished requests by outcome", labels + ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tandem:prompt_tokens", "Prompt tokens processed", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "tandem:generation_tokens", "Tokens generated", labels, registry=r
+        )
+        self.ttft = Histogram(
+            "tandem:time_to_first_token_seconds", "Time to first token", labels,
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "tandem:inter_token_latency_seconds", "Time between output chunks per token",
+            labels, buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem:e2e_request_latency_seconds", "End-to-end request latency", labels,
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.running = Gauge("tandem:num_requests_running", "Requests running", labels, registry=r)
+        self.waiting = Gauge("tandem:num_requests_waiting", "Requests waiting", labels, registry=r)
+        self.kv_usage = Gauge(
+            "tandem:kv_cache_usage_perc", "Fraction of KV blocks held", labels, registry=r
+        )
+        self.kv_free = Gauge(
+            "tandem:num_free_kv_blocks", "KV blocks no request holds", labels, registry=r
+        )
+        self.kv_total = Gauge("tandem:num_kv_blocks", "KV blocks in all", labels, registry=r)
+
+    def record_finish(self, reason: str, num_prompt: int, num_generated: int) -> None:
+        self.requests.labels(self.model_name, reason).inc()
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt)
+        self.generation_tokens.labels(self.model_name).inc(num_generated)
+
+    def render(self, stats: dict) -> bytes:
+        """Refresh the engine gauges from the core's latest stats and render the registry."""
+        name = self.model_name
+        if stats:
+            self.running.labels(name).set(stats.get("num_running", 0))
+            self.waiting.labels(name).set(stats.get("num_waiting", 0))
+            self.kv_usage.labels(name).set(stats.get("kv_cache_usage", 0.0))
+            self.kv_free.labels(name).set(stats.get("num_free_kv_blocks", 0))
+            self.kv_total.labels(name).set(stats.get("num_kv_blocks", 0))
+        return generate_latest(self.registry)
