@@ -6,6 +6,8 @@ benchmark. ``transformers`` is imported lazily, so importing this module is chea
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -73,6 +75,17 @@ def _pad_id(model: Any, eos: Sequence[int]) -> int:
     return eos[0] if eos else 0
 
 
+@contextlib.contextmanager
+def _only_these_end_tokens(model: Any, eos: Sequence[int]):
+    """generate() falls back to the model's own EOS when given none: hide it meanwhile."""
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = list(eos) or None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
 def left_pad(
     prompt_ids_list: Sequence[Sequence[int]], pad_id: int, device: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +147,8 @@ def hf_generate_ids(
     pad_id = _pad_id(model, eos)
     ids, mask = left_pad(prompt_ids_list, pad_id, model.device)
     config = greedy_config(max_new_tokens, eos, pad_id, min_new_tokens=min_new_tokens)
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    with _only_these_end_tokens(model, eos):
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     return out[:, ids.shape[1] :]
 
 
@@ -167,7 +181,8 @@ def hf_greedy_generate(
     for start in range(0, len(prompt_ids_list), batch_size):
         batch = prompt_ids_list[start : start + batch_size]
         ids, mask = left_pad(batch, pad_id, model.device)
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        with _only_these_end_tokens(model, eos):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         new_tokens = out.sequences[:, ids.shape[1] :].tolist()
         # (batch, steps, vocab) log-probabilities of the raw logits.
         logprobs = torch.stack(out.logits, dim=1).float().log_softmax(dim=-1)

@@ -60,7 +60,7 @@ def update_to_list(update: RequestUpdate) -> list:
 
 def update_from_list(data: list) -> RequestUpdate:
     request_id, tokens, logprobs, prompt_logprobs, finish, stop, cached = data
-    as_entries = lambda entries: [  # noqa: E731
+    as_entries = lambda entries: [  # noqa: E731 (a one-line helper)
         (e[0], e[1], e[2], [tuple(t) for t in e[3]]) for e in entries
     ]
     return RequestUpdate(

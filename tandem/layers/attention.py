@@ -123,8 +123,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_seqs = metadata.block_tables.shape[0]
         num_kv_heads, head_dim = k_cache.shape[-2:]
         num_heads = q.shape[1]
-        keys = k_cache[metadata.block_tables].view(num_seqs, -1, num_kv_heads, head_dim)
-        values = v_cache[metadata.block_tables].view(num_seqs, -1, num_kv_heads, head_dim)
+        # index_select on flat block ids copies far faster than 2-D advanced indexing.
+        flat_blocks = metadata.block_tables.view(-1)
+        keys = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim)
         padded_q = q.new_zeros((num_seqs, metadata.max_query_len, num_heads, head_dim))
         padded_q[metadata.token_batch_index, metadata.token_query_index] = q
         out = F.scaled_dot_product_attention(

@@ -63,15 +63,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # Gate and up stay two matrices: on the CPU two half-width matmuls beat one fused.
     def __init__(self, arch: ModelArchConfig):
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -121,65 +121,48 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up; checks completeness."""
+        """Load Hugging Face-named tensors (q/k/v fused here); names any missing one."""
         params = dict(self.named_parameters())
-        fused = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-        }
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or (
+                name == "lm_head.weight" and self.arch.tie_word_embeddings
+            ):
                 continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            shard = None
-            if len(parts) >= 2 and parts[-2] in fused:
-                target, shard = fused[parts[-2]]
-                parts[-2] = target
-                name = ".".join(parts)
-            if name not in params:
+            target, shard = name, None
+            for index, proj in enumerate(_QKV):
+                if f".{proj}." in name:
+                    target, shard = name.replace(proj, "qkv_proj"), index
+            if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
-            param = params[name]
+            param = params[target]
+            if shard is not None:
+                param = param.narrow(0, *self._qkv_slice(shard))
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
             with torch.no_grad():
-                if shard is None:
-                    self._copy(param, tensor, hf_name)
-                else:
-                    self._copy(self._shard_view(param, parts[-3], shard), tensor, hf_name)
-            loaded.add(f"{name}#{shard}")
-        self._check_complete(loaded, params)
-
-    def _shard_view(self, param: torch.Tensor, module: str, shard: int) -> torch.Tensor:
-        if module == "mlp":
-            size = self.arch.intermediate_size
-            return param.narrow(0, shard * size, size)
-        q_size = self.arch.num_heads * self.arch.head_dim
-        kv_size = self.arch.num_kv_heads * self.arch.head_dim
-        offsets = [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)]
-        start, size = offsets[shard]
-        return param.narrow(0, start, size)
-
-    @staticmethod
-    def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-        if tuple(dst.shape) != tuple(src.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, "
-                             f"expected {tuple(dst.shape)}")
-        dst.copy_(src)
-
-    def _check_complete(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
-        expected: set[str] = set()
-        for name in params:
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected |= {f"{name}#{i}" for i in range(3)}
-            elif name.endswith("gate_up_proj.weight"):
-                expected |= {f"{name}#{i}" for i in range(2)}
-            elif not (name == "lm_head.weight" and self.arch.tie_word_embeddings):
-                expected.add(f"{name}#None")
-        missing = sorted(expected - loaded)
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(self._expected_weight_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+    def _qkv_slice(self, shard: int) -> tuple[int, int]:
+        q_size = self.arch.num_heads * self.arch.head_dim
+        kv_size = self.arch.num_kv_heads * self.arch.head_dim
+        return [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)][shard]
+
+    def _expected_weight_names(self) -> set[str]:
+        """Checkpoint names (without the ``model.`` prefix) that must all be present."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            if "qkv_proj" in name:
+                names |= {name.replace("qkv_proj", proj) for proj in _QKV}
+            else:
+                names.add(name)
+        return names
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")

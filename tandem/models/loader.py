@@ -112,7 +112,7 @@ def _iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         path = os.path.join(model_dir, file)
         try:
             with safe_open(path, framework="pt") as f:
-                for name in f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read weights file {path!r}: {e}") from e
