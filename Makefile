@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/tandem generate "Write a haiku about speculative decoding." --max-tokens 64
+	$(VENV)/bin/tandem serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -1,4 +1,4 @@
-"""Command line: ``tandem generate`` and ``tandem bench throughput``."""
+"""Command line: ``tandem serve``, ``tandem generate`` and ``tandem bench``."""
 
 from __future__ import annotations
 
@@ -56,6 +56,44 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config(args: argparse.Namespace):
+    """An EngineConfig from the shared engine options."""
+    from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        cache=CacheConfig(
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len
+        ),
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tandem.models.loader import DEFAULT_SERVED_NAME, resolve_model
+    from tandem.server.app import build_app
+    from tandem.server.engine_client import AsyncEngineClient
+
+    config = engine_config(args)
+    name = args.served_model_name
+    if name is None:
+        path = resolve_model(args.model)
+        name = DEFAULT_SERVED_NAME if args.model is None else path.rstrip("/").split("/")[-1]
+    client = AsyncEngineClient(config)
+    app = build_app(client, name, api_key=args.api_key,
+                    max_pending_requests=args.max_pending_requests)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true", help="skip the chat template")
     add_engine_arguments(generate)
     generate.set_defaults(handler=_generate)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="GGUF file, HF directory or dummy:NAME (default: SmolLM2-135M)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--max-pending-requests", type=int, default=1024,
+                       help="answer 503 beyond this many requests in the server")
+    serve.add_argument("--log-level", default="info")
+    add_engine_arguments(serve)
+    serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

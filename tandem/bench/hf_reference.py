@@ -7,7 +7,6 @@ benchmark. ``transformers`` is imported lazily, so importing this module is chea
 from __future__ import annotations
 
 import contextlib
-
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any

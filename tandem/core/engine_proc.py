@@ -60,9 +60,10 @@ def update_to_list(update: RequestUpdate) -> list:
 
 def update_from_list(data: list) -> RequestUpdate:
     request_id, tokens, logprobs, prompt_logprobs, finish, stop, cached = data
-    as_entries = lambda entries: [  # noqa: E731 (a one-line helper)
-        (e[0], e[1], e[2], [tuple(t) for t in e[3]]) for e in entries
-    ]
+
+    def as_entries(entries: list) -> list:
+        return [(e[0], e[1], e[2], [tuple(t) for t in e[3]]) for e in entries]
+
     return RequestUpdate(
         request_id, tokens, as_entries(logprobs), as_entries(prompt_logprobs), finish, stop, cached
     )
@@ -135,7 +136,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     logging.basicConfig(level=logging.INFO)
     try:
         proc = EngineCoreProcess(config, input_address, output_address)
-    except Exception as e:  # report any startup failure to the API process, then exit
+    except Exception as e:  # noqa: BLE001 (any startup failure is reported, then we exit)
         context = zmq.Context()
         sock = context.socket(zmq.PUSH)
         sock.connect(output_address)
