@@ -77,7 +77,8 @@ def test_corrupt_gguf_is_named(tmp_path):
 
 
 def test_abort_frees_blocks_mid_generation(llm):
-    request_id = llm.add_request("Tell me a long story", SamplingParams(max_tokens=200))
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    request_id = llm.add_request("Tell me a long story", params)
     for _ in range(3):
         llm.step()
     assert llm.engine.block_manager.usage > 0
