@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     throughput_bench.add_cli_arguments(throughput)
     throughput.set_defaults(handler=throughput_bench.main_from_args)
+    serving = bench_commands.add_parser("serve", help="online benchmark of an OpenAI server")
+    from tandem.bench import serving as serving_bench
+
+    serving_bench.add_cli_arguments(serving)
+    serving.set_defaults(handler=serving_bench.main_from_args)
     return parser
 
 

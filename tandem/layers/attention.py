@@ -16,20 +16,27 @@ import torch.nn.functional as F
 
 
 @dataclass
+class PaddedGroup:
+    """Reference backend: requests of similar lengths, padded to a common [B, Q, L] shape."""
+
+    token_rows: torch.Tensor | None  # flat query rows of this group (None: all rows, in order)
+    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0
+    token_batch_index: torch.Tensor  # [T_group] request of each query row within the group
+    token_query_index: torch.Tensor  # [T_group] its row within the request's queries
+    attn_mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size] causal mask
+    max_query_len: int
+
+
+@dataclass
 class AttentionMetadata:
     """Everything a backend needs about one step's ragged batch (shared by all layers)."""
 
     slot_mapping: torch.Tensor  # [T] flat KV slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] block ids, padded with 0
     query_start_loc: torch.Tensor  # [B + 1] on the host
     seq_lens: torch.Tensor  # [B] tokens in context after this step, on the host
     max_query_len: int
     max_seq_len: int
-    # Reference backend: where each flat query row lands in the padded [B, Q] layout,
-    # and the causal mask over the gathered keys.
-    token_batch_index: torch.Tensor | None = None
-    token_query_index: torch.Tensor | None = None
-    attn_mask: torch.Tensor | None = None  # [B, 1, max_query_len, max_blocks * block_size]
+    groups: list[PaddedGroup] | None = None  # reference backend only
 
     @property
     def num_seqs(self) -> int:
@@ -78,63 +85,112 @@ def store_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def group_by_length(query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split requests into groups whose padded attention wastes little: sorted by length,
+    a new group starts when a query or context length would more than double the group's
+    smallest (so a long prefill never pads a batch of decode rows)."""
+    order = sorted(range(len(seq_lens)), key=lambda i: (query_lens[i], seq_lens[i]))
+    groups: list[list[int]] = []
+    for index in order:
+        if groups:
+            first = groups[-1][0]
+            if (query_lens[index] <= 2 * query_lens[first]
+                    and seq_lens[index] <= 2 * max(seq_lens[first], 64)):
+                groups[-1].append(index)
+                continue
+        groups.append([index])
+    return groups
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: gather each request's paged KV, one masked SDPA for the batch."""
+    """Reference backend: per group of similar lengths, gather the paged KV and run one
+    masked SDPA."""
 
     def build_metadata(self, query_lens, seq_lens, block_tables, slot_mapping, block_size, device):
-        num_seqs = len(query_lens)
-        max_query_len = max(query_lens)
-        max_seq_len = max(seq_lens)
-        max_blocks = -(-max_seq_len // block_size)
-        table = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
-        for row, blocks in enumerate(block_tables):
-            used = blocks[:max_blocks]
-            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.long)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
-        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-        token_batch_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
-        token_query_index = torch.arange(int(query_start_loc[-1])) - torch.repeat_interleave(
-            query_start_loc[:-1], query_lens_t
+        query_start = [0]
+        for length in query_lens:
+            query_start.append(query_start[-1] + length)
+        groups = group_by_length(query_lens, seq_lens)
+        padded = [
+            self._group(members, query_lens, seq_lens, block_tables, query_start, block_size,
+                        device, whole_batch=len(groups) == 1 and members == sorted(members))
+            for members in groups
+        ]
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.tensor(query_start, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            groups=padded,
         )
-        # Query row i of request b sits at position seq_len - query_len + i and sees keys
+
+    @staticmethod
+    def _group(members, query_lens, seq_lens, block_tables, query_start, block_size, device,
+               whole_batch: bool) -> PaddedGroup:
+        q_lens = torch.tensor([query_lens[i] for i in members], dtype=torch.long)
+        s_lens = torch.tensor([seq_lens[i] for i in members], dtype=torch.long)
+        max_query_len = int(q_lens.max())
+        max_blocks = -(-int(s_lens.max()) // block_size)
+        table = torch.zeros((len(members), max_blocks), dtype=torch.long)
+        for row, i in enumerate(members):
+            used = block_tables[i][:max_blocks]
+            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+        token_batch_index = torch.repeat_interleave(torch.arange(len(members)), q_lens)
+        starts = torch.zeros(len(members), dtype=torch.long)
+        torch.cumsum(q_lens[:-1], 0, out=starts[1:])
+        token_query_index = torch.arange(int(q_lens.sum())) - torch.repeat_interleave(
+            starts, q_lens
+        )
+        token_rows = None
+        if not whole_batch:
+            token_rows = torch.cat([
+                torch.arange(query_start[i], query_start[i + 1]) for i in members
+            ]).to(device)
+        # Query row j of a request sits at position seq_len - query_len + j and sees keys
         # up to and including that position.
-        query_pos = (seq_lens_t - query_lens_t)[:, None] + torch.arange(max_query_len)[None, :]
+        query_pos = (s_lens - q_lens)[:, None] + torch.arange(max_query_len)[None, :]
         key_pos = torch.arange(max_blocks * block_size)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
         # Padding rows attend to key 0 only, so they stay finite; their output is dropped.
-        padding = torch.arange(max_query_len)[None, :] >= query_lens_t[:, None]
-        mask[..., 0] |= padding
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
+        mask[..., 0] |= torch.arange(max_query_len)[None, :] >= q_lens[:, None]
+        return PaddedGroup(
+            token_rows=token_rows,
             block_tables=table.to(device),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens_t,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
             token_batch_index=token_batch_index.to(device),
             token_query_index=token_query_index.to(device),
             attn_mask=mask.unsqueeze(1).to(device),
+            max_query_len=max_query_len,
         )
 
     def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        num_seqs = metadata.block_tables.shape[0]
+        if len(metadata.groups) == 1 and metadata.groups[0].token_rows is None:
+            return self._attend(q, k_cache, v_cache, metadata.groups[0], scale)
+        out = torch.empty_like(q)
+        for group in metadata.groups:
+            group_q = q.index_select(0, group.token_rows)
+            out.index_copy_(0, group.token_rows, self._attend(group_q, k_cache, v_cache, group,
+                                                              scale))
+        return out
+
+    @staticmethod
+    def _attend(q, k_cache, v_cache, group: PaddedGroup, scale: float) -> torch.Tensor:
+        num_seqs = group.block_tables.shape[0]
         num_kv_heads, head_dim = k_cache.shape[-2:]
         num_heads = q.shape[1]
         # index_select on flat block ids copies far faster than 2-D advanced indexing.
-        flat_blocks = metadata.block_tables.view(-1)
+        flat_blocks = group.block_tables.view(-1)
         keys = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim)
         values = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, num_kv_heads, head_dim)
-        padded_q = q.new_zeros((num_seqs, metadata.max_query_len, num_heads, head_dim))
-        padded_q[metadata.token_batch_index, metadata.token_query_index] = q
+        padded_q = q.new_zeros((num_seqs, group.max_query_len, num_heads, head_dim))
+        padded_q[group.token_batch_index, group.token_query_index] = q
         out = F.scaled_dot_product_attention(
             padded_q.transpose(1, 2),
             keys.transpose(1, 2).to(q.dtype),
             values.transpose(1, 2).to(q.dtype),
-            attn_mask=metadata.attn_mask,
+            attn_mask=group.attn_mask,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-        return out.transpose(1, 2)[metadata.token_batch_index, metadata.token_query_index]
+        return out.transpose(1, 2)[group.token_batch_index, group.token_query_index]

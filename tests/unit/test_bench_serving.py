@@ -36,7 +36,8 @@ CHUNK_SLEEP = 0.01
 
 def _fake_app(state: dict[str, Any]) -> FastAPI:
     """Streams one character per requested token; the prompt text picks odd behaviour:
-    ``fail`` answers 500, ``slow`` stalls, ``nousage`` leaves out the usage chunk."""
+    ``fail`` answers 500, ``slow`` stalls, ``nousage`` leaves out the usage chunk and
+    ``empty`` streams no text (as if the first token were EOS)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -69,7 +70,7 @@ def _fake_app(state: dict[str, Any]) -> FastAPI:
                     await asyncio.sleep(2.0)
                 if chat:
                     yield event("")  # the role chunk: no text, so not a token
-                for _ in range(n):
+                for _ in range(0 if "empty" in prompt else n):
                     await asyncio.sleep(CHUNK_SLEEP)
                     yield event("x")
                 yield event("", finish="length")
@@ -200,13 +201,16 @@ def test_run_sends_and_counts_every_request(fresh, tmp_path):
 
 def test_failures_are_counted_not_fatal(fresh, tmp_path):
     base, _ = fresh
-    prompts = ["ok", "fail", "slow", "ok"]
+    prompts = ["ok", "fail", "slow", "empty"]
     config = _config(base, tmp_path, prompts, model="m", timeout_s=0.5, label="fails")
     result = asyncio.run(run_benchmark(config))
     m = result["metrics"]
     assert (m["successful_requests"], m["failed_requests"]) == (2, 2)
     errors = [r["error"] for r in result["records"]]
     assert errors[0] == "" and errors[1].startswith("HTTP 500") and "Timeout" in errors[2]
+    empty = result["records"][3]  # a reply with no text is not a failure, but has no TTFT
+    assert empty["success"] and empty["ttft"] is None and empty["output_tokens"] == 4
+    assert m["ttft"]["p50_ms"] > 0
     assert os.path.basename(result["output_path"]).startswith("serve-fails-")
 
 
