@@ -109,19 +109,26 @@ class EngineCoreProcess:
         elif kind == "shutdown":
             self.running = False
 
-    def _drain_inputs(self, block: bool) -> None:
+    def _drain_inputs(self, block: bool) -> int:
+        """Handle every waiting message; returns how many there were."""
         timeout = POLL_IDLE_MS if block else 0
+        handled = 0
         while self.inputs.poll(timeout):
             self._handle(unpack(self.inputs.recv()))
+            handled += 1
             timeout = 0
+        return handled
 
     def run(self) -> None:
         self.outputs.send(pack(["ready", self.info()]))
         while self.running:
-            self._drain_inputs(block=not self.core.has_unfinished_requests())
+            handled = self._drain_inputs(block=not self.core.has_unfinished_requests())
             if not self.running:
                 break
             if not self.core.has_unfinished_requests():
+                if handled:  # aborts or finishes emptied the engine: report the idle state
+                    self.core.step()  # lets the runner drop finished requests' state
+                    self.outputs.send(pack(["updates", [], self.core.metrics()]))
                 continue
             updates = self.core.step()
             stats = self.core.metrics()

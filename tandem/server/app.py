@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -54,18 +54,19 @@ def build_app(
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        where = ".".join(str(p) for p in first.get("loc", ()) if isinstance(p, str) and p != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
         return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), 400)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+    # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
+    # disconnects from the handler, and a disconnect must abort the request.
+    async def check_api_key(request: Request) -> None:
+        if api_key:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                body = error_body("invalid or missing API key", "authentication_error", 401)
-                return JSONResponse(body, 401)
-        return await call_next(request)
+                raise ApiError(401, "invalid or missing API key", "authentication_error")
+
+    authorized = [Depends(check_api_key)]
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -98,7 +99,7 @@ def build_app(
         except EngineDeadError as e:
             raise ApiError(503, str(e), "service_unavailable") from e
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=authorized)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_capacity()
@@ -108,7 +109,7 @@ def build_app(
             raise ApiError(400, str(e)) from e
         return await serve(RequestRun(prepared, client, metrics, served_model_name), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_capacity()
@@ -118,7 +119,7 @@ def build_app(
             raise ApiError(400, str(e)) from e
         return await serve(RequestRun(prepared, client, metrics, served_model_name), request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=authorized)
     async def models():
         card = {"id": served_model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "tandem", "max_model_len": client.info.get("max_model_len")}
