@@ -121,48 +121,72 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors (q/k/v fused here); names any missing one."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name or (
-                name == "lm_head.weight" and self.arch.tie_word_embeddings
-            ):
-                continue
-            target, shard = name, None
-            for index, proj in enumerate(_QKV):
-                if f".{proj}." in name:
-                    target, shard = name.replace(proj, "qkv_proj"), index
-            if target not in params:
-                raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
-            param = params[target]
-            if shard is not None:
-                param = param.narrow(0, *self._qkv_slice(shard))
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(self._expected_weight_names() - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+        """Load Hugging Face-named tensors (``model.`` prefix optional)."""
 
-    def _qkv_slice(self, shard: int) -> tuple[int, int]:
-        q_size = self.arch.num_heads * self.arch.head_dim
-        kv_size = self.arch.num_kv_heads * self.arch.head_dim
-        return [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)][shard]
+        def renamed():
+            for hf_name, tensor in weights:
+                name = hf_name.removeprefix("model.")
+                if "rotary_emb" in name or (
+                    name == "lm_head.weight" and self.arch.tie_word_embeddings
+                ):
+                    continue
+                yield name, tensor
 
-    def _expected_weight_names(self) -> set[str]:
-        """Checkpoint names (without the ``model.`` prefix) that must all be present."""
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            if "qkv_proj" in name:
-                names |= {name.replace("qkv_proj", proj) for proj in _QKV}
-            else:
-                names.add(name)
-        return names
+        load_fused_weights(self, self.arch, renamed())
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def load_fused_weights(
+    module: nn.Module, arch: ModelArchConfig, weights: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Copy tensors named like ``module``'s parameters, except that q/k/v projections come
+    separately (``q_proj``/``k_proj``/``v_proj``) and land in the fused ``qkv_proj``.
+    Raises ValueError naming any unexpected, misshapen or missing weight."""
+    params = dict(module.named_parameters())
+    q_size = arch.num_heads * arch.head_dim
+    kv_size = arch.num_kv_heads * arch.head_dim
+    qkv_slices = [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)]
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard = name, None
+        for index, proj in enumerate(_QKV):
+            if f".{proj}." in name:
+                target, shard = name.replace(proj, "qkv_proj"), index
+        if target not in params:
+            raise ValueError(f"unexpected weight {name!r} for {arch.architecture}")
+        param = params[target]
+        if shard is not None:
+            param = param.narrow(0, *qkv_slices[shard])
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+        loaded.add(name)
+    expected: set[str] = set()
+    for name in params:
+        if "qkv_proj" in name:
+            expected |= {name.replace("qkv_proj", proj) for proj in _QKV}
+        elif not (name == "lm_head.weight" and arch.tie_word_embeddings):
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+
+def split_fused_weights(module: nn.Module, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
+    """The inverse of ``load_fused_weights``: fp32 CPU tensors with q/k/v split again."""
+    q_size = arch.num_heads * arch.head_dim
+    kv_size = arch.num_kv_heads * arch.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        tensor = param.detach().float().cpu().contiguous()
+        if "qkv_proj" in name:
+            pieces = tensor.split([q_size, kv_size, kv_size], dim=0)
+            for proj, piece in zip(_QKV, pieces, strict=True):
+                out[name.replace("qkv_proj", proj)] = piece.contiguous()
+        else:
+            out[name] = tensor
+    return out
