@@ -50,6 +50,8 @@ class SpeculativeConfig:
 
     method: str | None = None
     num_speculative_tokens: int = 0
+    # A Tandem head directory, "dummy" (random), or None (the checkpoint's or shipped head).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in (None, "mtp"):

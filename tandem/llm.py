@@ -33,6 +33,7 @@ class LLM:
         dtype: str | None = None,
         speculative: str | None = None,
         num_speculative_tokens: int = 3,
+        speculative_model: str | None = None,
         overlap: bool = False,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -53,7 +54,7 @@ class LLM:
             cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
             speculative=SpeculativeConfig(
-                speculative, num_speculative_tokens if speculative else 0
+                speculative, num_speculative_tokens if speculative else 0, speculative_model
             ),
         )
         self.engine = EngineCore(self.config)

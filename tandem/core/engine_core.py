@@ -15,6 +15,7 @@ from tandem.config import EngineConfig
 from tandem.core.kv_cache import BlockManager
 from tandem.core.scheduler import RequestUpdate, Scheduler
 from tandem.models.loader import ModelFiles
+from tandem.models.mtp import mtp_head_layers
 from tandem.request import Request, RequestStatus
 from tandem.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
@@ -32,18 +33,23 @@ class EngineCore:
         dtype = getattr(torch, config.resolved_dtype_name())
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks
+        spec = config.speculative
+        num_mtp_layers = mtp_head_layers(spec.model, files) if spec.method == "mtp" else 0
         if num_blocks is None:
-            per_block = kv_cache_bytes_per_block(self.arch, block_size, dtype)
+            per_block = kv_cache_bytes_per_block(self.arch, block_size, dtype, num_mtp_layers)
             num_blocks = max(1, int(config.cache.kv_cache_memory_gb * 2**30 // per_block))
         self.num_blocks = num_blocks
         # One request alone must always fit, or it would preempt itself forever.
         max_len = min(max_len, num_blocks * block_size)
         self.max_model_len = max_len
-        self.runner = ModelRunner(config, files, max_len, num_blocks)
+        self.runner = ModelRunner(config, files, max_len, num_blocks, mtp_source=spec.model
+                                  if spec.method == "mtp" else None,
+                                  use_mtp=spec.method == "mtp")
         self.block_manager = BlockManager(
             num_blocks, block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len,
+                                   spec.num_speculative_tokens if spec.method else 0)
         self.counters = {
             "num_requests_added": 0,
             "num_requests_finished": 0,
@@ -130,4 +136,8 @@ class EngineCore:
             "num_free_kv_blocks": self.block_manager.num_free_blocks,
             "prefix_cache_queries": self.block_manager.prefix_queries,
             "prefix_cache_hits": self.block_manager.prefix_hits,
+            "spec_decode_num_drafts": self.scheduler.spec_num_drafts,
+            "spec_decode_num_draft_tokens": self.scheduler.spec_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.spec_num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.scheduler.spec_accepted_per_pos),
         }

@@ -63,6 +63,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Drafts proposed for each request's next step (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,8 +83,20 @@ class RequestUpdate:
 class Scheduler:
     """Decides which requests run in each step and applies each step's results."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        num_speculative_tokens: int = 0,
+    ):
         self.config = config
+        self.num_speculative_tokens = num_speculative_tokens
+        # Speculative decoding counters, in vLLM's terms.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * num_speculative_tokens
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -133,7 +147,9 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            while not self.block_manager.allocate_slots(request, num_new):
+            while not self.block_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self._lookahead(request, num_new)
+            ):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -154,7 +170,8 @@ class Scheduler:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.block_manager.allocate_slots(request, num_new, hit_blocks):
+            lookahead = self._lookahead(request, num_new, num_hit_tokens)
+            if not self.block_manager.allocate_slots(request, num_new, hit_blocks, lookahead):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
@@ -168,11 +185,25 @@ class Scheduler:
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished_ids)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        """Known tokens not yet computed, plus the drafts to verify, within the budget."""
+        num_new = request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids)
         return min(num_new, budget, self.max_model_len - request.num_computed_tokens)
 
+    def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
+        """Slots beyond this step for the MTP head's deeper drafts (within the context)."""
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        room = self.max_model_len - (num_computed + num_new)
+        return max(0, min(self.num_speculative_tokens, room))
+
     def _row(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, self.block_manager.block_ids(request.request_id))
+        # Drafts that do not fit the step's token budget are dropped.
+        num_drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
+        drafts = request.draft_token_ids[:num_drafts]
+        request.draft_token_ids = []
+        return ScheduledRequest(
+            request, num_new, self.block_manager.block_ids(request.request_id), drafts
+        )
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks; it recomputes from scratch when readmitted."""
@@ -180,6 +211,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -195,15 +227,21 @@ class Scheduler:
             request = row.request
             if request.is_finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += row.num_new_tokens
+            request_id = request.request_id
+            sampled = runner_output.sampled_token_ids.get(request_id, [])
+            if sampled:
+                # KV stays valid for the known tokens and the accepted drafts: every new
+                # token but the last (whose KV the next step computes).
+                request.num_computed_tokens = request.num_tokens + len(sampled) - 1
+                self._count_drafts(row, len(sampled) - 1)
+            else:
+                request.num_computed_tokens += row.num_new_tokens
             # Before any stop check: finishing frees the blocks.
             self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
-            request_id = request.request_id
             new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
             request.prompt_logprobs.extend(new_prompt_logprobs)
             new_tokens: list[int] = []
             new_logprobs: list[TokenLogprobs] = []
-            sampled = runner_output.sampled_token_ids.get(request_id, [])
             sampled_logprobs = runner_output.logprobs.get(request_id, [])
             for position, token_id in enumerate(sampled):
                 request.output_token_ids.append(token_id)
@@ -213,6 +251,8 @@ class Scheduler:
                     new_logprobs.append(sampled_logprobs[position])
                 if self._check_stop(request, token_id):
                     break
+            if not request.is_finished:
+                request.draft_token_ids = runner_output.draft_token_ids.get(request_id, [])
             if new_tokens or new_prompt_logprobs or request.is_finished:
                 updates.append(
                     RequestUpdate(
@@ -226,6 +266,15 @@ class Scheduler:
                     )
                 )
         return updates
+
+    def _count_drafts(self, row: ScheduledRequest, num_accepted: int) -> None:
+        if not row.draft_token_ids:
+            return
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(row.draft_token_ids)
+        self.spec_num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.spec_accepted_per_pos[position] += 1
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.sampling_params

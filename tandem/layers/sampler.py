@@ -25,8 +25,6 @@ class SamplingBatch:
     # Per row: its own generator (seeded request) or None (the engine's generator).
     generators: list[torch.Generator | None]
     all_greedy: bool
-    # (row, token id) pairs that must not be sampled (end tokens before min_tokens).
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -35,7 +33,6 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
-        banned: list[tuple[int, int]] | None = None,
     ) -> SamplingBatch:
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
@@ -56,7 +53,6 @@ class SamplingBatch:
             min_p=torch.tensor(min_p, device=device) if uses(min_p, 0.0) else None,
             generators=generators,
             all_greedy=not sampled_rows,
-            banned=torch.tensor(banned, device=device).unbind(1) if banned else None,
         )
 
 
@@ -88,25 +84,31 @@ def sample(
     logits: torch.Tensor, batch: SamplingBatch, default_generator: torch.Generator | None
 ) -> torch.Tensor:
     """One token per row: argmax on greedy rows, an exact draw from the filtered
-    distribution elsewhere (exponential race, so each seeded row consumes only its own
-    generator and gets the same token alone or in any batch)."""
-    if batch.banned is not None:
-        logits = logits.index_put(batch.banned, logits.new_tensor(float("-inf")))
+    distribution elsewhere."""
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
-    probs = apply_filters(logits, batch)
+    sampled = draw(apply_filters(logits, batch), batch.generators, default_generator)
+    return torch.where(batch.greedy, greedy_tokens, sampled)
+
+
+def draw(
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+) -> torch.Tensor:
+    """One exact draw per row (exponential race): each seeded row consumes only its own
+    generator, so it gets the same token alone or in any batch."""
     noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(batch.generators) if g is None]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
         noise[unseeded] = torch.empty(
             (len(unseeded), probs.shape[1]), device=probs.device
         ).exponential_(generator=default_generator)
-    for row, generator in enumerate(batch.generators):
+    for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(batch.greedy, greedy_tokens, sampled)
+    return (probs / noise).argmax(dim=-1)
 
 
 @dataclass

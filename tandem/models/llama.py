@@ -128,11 +128,18 @@ class LlamaModel(nn.Module):
                 name = hf_name.removeprefix("model.")
                 if "rotary_emb" in name or (
                     name == "lm_head.weight" and self.arch.tie_word_embeddings
-                ):
+                ) or self._is_mtp_weight(name):
                     continue
                 yield name, tensor
 
         load_fused_weights(self, self.arch, renamed())
+
+    def _is_mtp_weight(self, name: str) -> bool:
+        """MTP layers stored beside the target's (MiMo, DeepSeek-V3): loaded by the head."""
+        if name.startswith("mtp_layers."):
+            return True
+        parts = name.split(".")
+        return parts[0] == "layers" and int(parts[1]) >= self.arch.num_layers
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")

@@ -161,3 +161,102 @@ def save_head(head: MTPHead, directory: str, base_model: str, extra: dict | None
               "hidden_size": head.arch.hidden_size, **(extra or {})}
     with open(os.path.join(directory, HEAD_CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2)
+
+
+DUMMY_HEAD = "dummy"
+
+
+def _checkpoint_layout(files) -> tuple[str, int] | None:
+    """("mimo" | "deepseek", number of MTP layers) if the target checkpoint carries them."""
+    if files.is_dummy or not os.path.isdir(files.path):
+        return None
+    from safetensors import safe_open
+
+    mimo, deepseek = set(), set()
+    num_hidden = files.arch.num_layers
+    for file in sorted(f for f in os.listdir(files.path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(files.path, file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if (m := re.match(r"model\.mtp_layers\.(\d+)\.", name)) is not None:
+                    mimo.add(int(m.group(1)))
+                elif (m := re.match(r"model\.layers\.(\d+)\.", name)) and (
+                    int(m.group(1)) >= num_hidden
+                ):
+                    deepseek.add(int(m.group(1)))
+    if mimo:
+        return "mimo", len(mimo)
+    if deepseek:
+        return "deepseek", len(deepseek)
+    return None
+
+
+def mtp_head_layers(source: str | None, files) -> int:
+    """How many MTP layers the head from ``source`` has (see ``load_mtp_head``)."""
+    if source == DUMMY_HEAD:
+        return 1
+    if source is not None:
+        with open(os.path.join(source, HEAD_CONFIG_FILE)) as f:
+            return int(json.load(f)["num_layers"])
+    layout = _checkpoint_layout(files)
+    if layout is not None:
+        return layout[1]
+    return mtp_head_layers(_shipped_head(files), files)
+
+
+def _shipped_head(files) -> str:
+    """The head that ships with Tandem for this model, or a ValueError saying what to do."""
+    from tandem.models.loader import DEFAULT_MODEL_FILE
+
+    heads = os.path.join(os.path.dirname(os.path.dirname(__file__)), "heads")
+    if os.path.basename(files.path) == DEFAULT_MODEL_FILE:
+        path = os.path.join(heads, "smollm2-135m-instruct")
+        if os.path.exists(os.path.join(path, HEAD_CONFIG_FILE)):
+            return path
+    raise ValueError(
+        f"model {files.path!r} has no MTP layers and no shipped head: pass "
+        "speculative_model=PATH (a head from `tandem train-mtp`) or 'dummy' (random weights)"
+    )
+
+
+def load_mtp_head(source: str | None, files, rotary, seed: int = 0) -> MTPHead:
+    """The MTP head for ``files``'s model: ``source`` is a Tandem head directory, 'dummy'
+    (random weights, for tests and benchmarks), or None (the checkpoint's own MTP layers,
+    else the head shipped for the default model)."""
+    arch = files.arch
+    if source == DUMMY_HEAD:
+        head = MTPHead(arch, 1, rotary)
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, param in head.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.empty(param.shape).uniform_(-0.05, 0.05,
+                                                                  generator=generator))
+        return head
+    if source is None:
+        layout = _checkpoint_layout(files)
+        if layout is not None:
+            kind, num_layers = layout
+            head = MTPHead(arch, num_layers, rotary)
+            head.load_weights(_renamed_checkpoint(files, kind))
+            return head
+        source = _shipped_head(files)
+    num_layers, tensors = read_head_file(source)
+    head = MTPHead(arch, num_layers, rotary)
+    head.load_weights(tensors)
+    return head
+
+
+def _renamed_checkpoint(files, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in sorted(f for f in os.listdir(files.path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(files.path, file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if kind == "mimo":
+                    new = rename_mimo(name)
+                else:
+                    new = rename_deepseek(name, files.arch.num_layers)
+                if new is not None:
+                    yield new, f.get_tensor(name)

@@ -8,6 +8,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MiMoForCausalLM": "qwen2",  # Qwen2-shaped, with MTP layers beside it
 }
 
 
