@@ -16,6 +16,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speculative", choices=["mtp"], default=None,
+                        help="speculative decoding method")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--speculative-model", default=None,
+                        help="MTP head directory (from tandem train-mtp) or 'dummy'")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -28,6 +33,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
+        "speculative": args.speculative,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_model": args.speculative_model,
     }
 
 
@@ -58,7 +66,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def engine_config(args: argparse.Namespace):
     """An EngineConfig from the shared engine options."""
-    from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tandem.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
     return EngineConfig(
         model=args.model,
@@ -71,6 +79,11 @@ def engine_config(args: argparse.Namespace):
         ),
         scheduler=SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len
+        ),
+        speculative=SpeculativeConfig(
+            args.speculative,
+            args.num_speculative_tokens if args.speculative else 0,
+            args.speculative_model,
         ),
     )
 

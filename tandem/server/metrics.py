@@ -46,6 +46,19 @@ class ServerMetrics:
             "tandem:num_free_kv_blocks", "KV blocks no request holds", labels, registry=r
         )
         self.kv_total = Gauge("tandem:num_kv_blocks", "KV blocks in all", labels, registry=r)
+        # Speculative decoding, in vLLM's terms (totals mirrored from the engine core).
+        self.spec = {
+            key: Gauge(f"tandem:{key}", help_text, labels, registry=r)
+            for key, help_text in (
+                ("spec_decode_num_drafts", "Draft runs verified"),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+            )
+        }
+        self.spec_per_pos = Gauge(
+            "tandem:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
+            labels + ["position"], registry=r,
+        )
 
     def record_finish(self, reason: str, num_prompt: int, num_generated: int) -> None:
         self.requests.labels(self.model_name, reason).inc()
@@ -61,4 +74,9 @@ class ServerMetrics:
             self.kv_usage.labels(name).set(stats.get("kv_cache_usage", 0.0))
             self.kv_free.labels(name).set(stats.get("num_free_kv_blocks", 0))
             self.kv_total.labels(name).set(stats.get("num_kv_blocks", 0))
+            for key, gauge in self.spec.items():
+                gauge.labels(name).set(stats.get(key, 0))
+            per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
+            for position, count in enumerate(per_pos):
+                self.spec_per_pos.labels(name, str(position)).set(count)
         return generate_latest(self.registry)

@@ -155,10 +155,8 @@ def _replacement_from_p(p, q, drafts, generator):
 @pytest.mark.parametrize("broken", [_always_accept, _replacement_from_p])
 def test_invariant2_check_rejects_verifier_without_residual_correction(broken):
     """Negative control: the goodness-of-fit check above can fail."""
-    k = 3
-    p, q = P, Q
-    emitted = run_trials(broken, p, q, TRIALS // 2, seed=7)
-    fits, why = goodness_of_fit(position_counts(emitted, 0), p[0])
+    emitted = run_trials(broken, P, Q, TRIALS // 2, seed=7)
+    fits, why = goodness_of_fit(position_counts(emitted, 0), P[0])
     assert not fits, f"the check failed to reject {broken.__name__}: {why}"
 
 
