@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.set_defaults(handler=_serve)
 
+    train = commands.add_parser("train-mtp", help="distill an MTP head for a base model")
+    from tandem.train import mtp_distill
+
+    mtp_distill.add_cli_arguments(train)
+    train.set_defaults(handler=mtp_distill.main_from_args)
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     throughput = bench_commands.add_parser("throughput", help="offline throughput against HF")

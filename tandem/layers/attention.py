@@ -194,3 +194,26 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=num_heads != num_kv_heads,
         )
         return out.transpose(1, 2)[group.token_batch_index, group.token_query_index]
+
+
+class DenseCausalBackend(AttentionBackend):
+    """Plain causal attention over a [batch, seq_len] block of equal-length sequences, with
+    no KV cache: for training and scoring (autograd flows through it)."""
+
+    def __init__(self, batch_size: int, seq_len: int):
+        self.batch_size, self.seq_len = batch_size, seq_len
+
+    def build_metadata(self, query_lens, seq_lens, block_tables, slot_mapping, block_size, device):
+        raise NotImplementedError("DenseCausalBackend needs no metadata")
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+        shape = (self.batch_size, self.seq_len)
+        out = F.scaled_dot_product_attention(
+            q.view(*shape, *q.shape[1:]).transpose(1, 2),
+            k.view(*shape, *k.shape[1:]).transpose(1, 2),
+            v.view(*shape, *v.shape[1:]).transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out.transpose(1, 2).reshape(q.shape)

@@ -108,7 +108,8 @@ def draw(
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    # Zero noise happens: never let it lift a zero-probability token.
+    return torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
 
 
 @dataclass

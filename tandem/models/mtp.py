@@ -137,18 +137,29 @@ def read_head_file(directory: str) -> tuple[int, Iterator[tuple[str, torch.Tenso
     """A Tandem head directory: its layer count and its tensors."""
     from safetensors.torch import load_file
 
-    config_path = os.path.join(directory, HEAD_CONFIG_FILE)
+    config = _read_head_config(directory)
     weights_path = os.path.join(directory, HEAD_WEIGHTS_FILE)
-    for path in (config_path, weights_path):
-        if not os.path.exists(path):
-            raise ValueError(f"MTP head {directory!r} lacks {os.path.basename(path)}")
-    with open(config_path) as f:
-        config = json.load(f)
+    if not os.path.exists(weights_path):
+        raise ValueError(f"MTP head {directory!r} lacks {HEAD_WEIGHTS_FILE}")
     try:
         tensors = load_file(weights_path)
     except Exception as e:
         raise ValueError(f"cannot read MTP weights {weights_path!r}: {e}") from e
     return int(config["num_layers"]), iter(tensors.items())
+
+
+def _read_head_config(directory: str) -> dict:
+    """A head directory's mtp_config.json; ValueError naming what is missing or broken."""
+    path = os.path.join(directory, HEAD_CONFIG_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"MTP head {directory!r} lacks {HEAD_CONFIG_FILE}")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        config["num_layers"] = int(config["num_layers"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"MTP head config {path!r} is invalid: {e}") from e
+    return config
 
 
 def save_head(head: MTPHead, directory: str, base_model: str, extra: dict | None = None) -> None:
@@ -195,8 +206,7 @@ def mtp_head_layers(source: str | None, files) -> int:
     if source == DUMMY_HEAD:
         return 1
     if source is not None:
-        with open(os.path.join(source, HEAD_CONFIG_FILE)) as f:
-            return int(json.load(f)["num_layers"])
+        return _read_head_config(source)["num_layers"]
     layout = _checkpoint_layout(files)
     if layout is not None:
         return layout[1]
@@ -258,5 +268,11 @@ def _renamed_checkpoint(files, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
                     new = rename_mimo(name)
                 else:
                     new = rename_deepseek(name, files.arch.num_layers)
-                if new is not None:
-                    yield new, f.get_tensor(name)
+                if new is None:
+                    continue
+                tensor = f.get_tensor(name)
+                if kind == "mimo" and new.endswith("eh_proj.weight"):
+                    # MiMo's input_proj takes [hidden; embedding]; eh_proj takes the reverse.
+                    half = files.arch.hidden_size
+                    tensor = torch.cat([tensor[:, half:], tensor[:, :half]], dim=1)
+                yield new, tensor

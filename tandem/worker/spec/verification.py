@@ -21,7 +21,8 @@ def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One exact draw from a (not necessarily normalized) distribution over the vocab."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    # Zero noise happens: never let it lift a zero-probability token.
+    return int(torch.where(probs > 0, probs / noise, -1.0).argmax())
 
 
 def rejection_accept(
@@ -42,7 +43,7 @@ def rejection_accept(
     for i, draft in enumerate(draft_tokens):
         p, q = target_probs[i, draft], draft_probs[i, draft]
         u = torch.rand((), generator=generator, device=target_probs.device)
-        if u * q <= p:
+        if u * q < p:  # strict: a token with p = 0 is never accepted
             emitted.append(draft)
             continue
         residual = (target_probs[i] - draft_probs[i]).clamp_min(0)

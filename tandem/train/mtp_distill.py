@@ -1,0 +1,273 @@
+"""``tandem train-mtp``: train an MTP head for a frozen base model by self-distillation.
+
+At position t the head sees the base's final hidden state h[t] and the embedding of token
+t+1, and learns the base model's own distribution over token t+2 (KL to the base's logits at
+position t+1, as EAGLE trains), not the data set's next token. Data: ShareGPT conversations
+under the model's chat template (teacher forcing: one base forward per batch) and responses
+the base model generated itself. MT-Bench stays out: it is the evaluation set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.layers.attention import DenseCausalBackend
+from tandem.models.llama import LlamaModel
+from tandem.models.loader import ModelFiles, load_model
+from tandem.models.mtp import MTPHead, load_mtp_head, save_head
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters of one distillation run."""
+
+    steps: int = 2000
+    batch_size: int = 32
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    eval_every: int = 200
+    seed: int = 0
+
+
+def pack_sequences(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
+    """Concatenate token sequences and cut them into [N, seq_len] rows (the tail is dropped)."""
+    flat = [t for s in sequences for t in s]
+    rows = len(flat) // seq_len
+    if rows == 0:
+        raise ValueError(f"only {len(flat)} tokens of data, fewer than one row of {seq_len}")
+    return torch.tensor(flat[: rows * seq_len], dtype=torch.long).view(rows, seq_len)
+
+
+def sharegpt_sequences(tokenizer, num_conversations: int, max_tokens: int) -> list[list[int]]:
+    """Chat-templated ShareGPT conversations (human/gpt turns), at most max_tokens each."""
+    from tandem.bench.datasets import iter_sharegpt
+
+    roles = {"human": "user", "gpt": "assistant"}
+    sequences = []
+    for record in iter_sharegpt():
+        turns = [(roles.get(t.get("from")), t.get("value")) for t in record["conversations"]]
+        messages = [{"role": r, "content": v} for r, v in turns if r and isinstance(v, str) and v]
+        if len(messages) < 2:
+            continue
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        sequences.append(ids[:max_tokens])
+        if len(sequences) >= num_conversations:
+            break
+    return sequences
+
+
+def self_generated_sequences(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Prompt + the base model's own greedy response, for each prompt."""
+    from tandem import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outputs]
+
+
+def _base_outputs(model: LlamaModel, tokens: torch.Tensor):
+    """Final hidden states [B, T, H] and log-probs [B, T, V] of the frozen base."""
+    batch, seq_len = tokens.shape
+    backend = DenseCausalBackend(batch, seq_len)
+    positions = torch.arange(seq_len, device=tokens.device).repeat(batch)
+    caches = [(None, None)] * len(model.layers)
+    with torch.no_grad():
+        hidden = model(tokens.view(-1), positions, caches, None, backend)
+        logprobs = model.compute_logits(hidden).log_softmax(dim=-1)
+    return hidden.view(batch, seq_len, -1), logprobs.view(batch, seq_len, -1)
+
+
+def head_logits(head: MTPHead, model: LlamaModel, tokens: torch.Tensor, hidden: torch.Tensor):
+    """The head's logits at positions 0..T-2 (each predicting token t+2)."""
+    batch, seq_len = tokens.shape
+    length = seq_len - 1
+    backend = DenseCausalBackend(batch, length)
+    positions = torch.arange(length, device=tokens.device).repeat(batch)
+    embeds = model.embed_tokens(tokens[:, 1:]).reshape(batch * length, -1)
+    layer = head.layers[0]
+    g = layer(positions, embeds.detach(), hidden[:, :-1].reshape(batch * length, -1),
+              (None, None), None, backend)
+    return model.compute_logits(layer.final_norm(g)).view(batch, length, -1)
+
+
+def distill_loss(head, model, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(base || head) over positions, and the greedy agreement rate (an acceptance
+    estimate for the first draft)."""
+    hidden, base_logprobs = _base_outputs(model, tokens)
+    student = head_logits(head, model, tokens, hidden).log_softmax(dim=-1)
+    teacher = base_logprobs[:, 1:]
+    loss = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
+    agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
+    return loss, agree
+
+
+def train_mtp(
+    model: str | None,
+    train_tokens: torch.Tensor,
+    eval_tokens: torch.Tensor,
+    config: TrainConfig,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    out_dir: str | None = None,
+    progress: bool = True,
+) -> tuple[MTPHead, dict]:
+    """Train a one-layer head; returns it and a summary (losses, held-out agreement)."""
+    torch.manual_seed(config.seed)
+    files = ModelFiles(model)
+    base = load_model(files, config.seq_len + 8, dtype, torch.device(device), config.seed)
+    base.requires_grad_(False)
+    head = load_mtp_head("dummy", files, base.rotary, config.seed).to(device)
+    _init_head_from_base(head, base)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    history: list[dict] = []
+    generator = torch.Generator().manual_seed(config.seed)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, desc="train-mtp", dynamic_ncols=True)
+    start = time.monotonic()
+    for step in range(1, config.steps + 1):
+        lr = config.lr * min(1.0, step / max(config.warmup_steps, 1))
+        lr *= 0.5 * (1 + math.cos(math.pi * min(step / config.steps, 1.0)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        rows = torch.randint(0, train_tokens.shape[0], (config.batch_size,), generator=generator)
+        with torch.autocast(device_type=torch.device(device).type, dtype=dtype,
+                            enabled=dtype != torch.float32):
+            loss, agree = distill_loss(head, base, train_tokens[rows].to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.float().backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        if step % config.eval_every == 0 or step == config.steps:
+            record = {"step": step, "loss": float(loss), "train_agree": float(agree),
+                      "eval_agree": evaluate(head, base, eval_tokens, config, device, dtype),
+                      "elapsed_s": time.monotonic() - start}
+            history.append(record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", held_out=f"{record['eval_agree']:.3f}")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    summary = {"config": asdict(config), "history": history, "model": files.path}
+    if out_dir is not None:
+        save_head(head, out_dir, files.path, {"training": summary})
+        with open(f"{out_dir}/train_log.json", "w") as f:
+            json.dump(summary, f, indent=2)
+    return head, summary
+
+
+def evaluate(head, base, eval_tokens, config: TrainConfig, device, dtype) -> float:
+    """Held-out greedy agreement of the head's first draft with the base."""
+    agree, batches = 0.0, 0
+    with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, dtype=dtype,
+                                         enabled=dtype != torch.float32):
+        for start in range(0, eval_tokens.shape[0], config.batch_size):
+            _, batch_agree = distill_loss(head, base, eval_tokens[start:start + config.batch_size]
+                                          .to(device))
+            agree += float(batch_agree)
+            batches += 1
+    return agree / max(batches, 1)
+
+
+def _init_head_from_base(head: MTPHead, base: LlamaModel) -> None:
+    """Start the head's block from the base's last decoder layer (a good prior) and its
+    projection as 'take the hidden state', so training starts from a sensible draft."""
+    layer = head.layers[0]
+    with torch.no_grad():
+        layer.block.load_state_dict(base.layers[-1].state_dict())
+        layer.final_norm.weight.copy_(base.norm.weight)
+        hidden = base.arch.hidden_size
+        layer.eh_proj.weight.zero_()
+        layer.eh_proj.weight[:, hidden:].copy_(torch.eye(hidden))
+        layer.eh_proj.weight[:, :hidden].copy_(0.1 * torch.eye(hidden))
+
+
+def build_data(model: str | None, num_conversations: int, num_self_generated: int,
+               seq_len: int, device: str, seed: int) -> dict[str, torch.Tensor]:
+    """Packed train/eval token rows: ShareGPT conversations plus self-generated replies."""
+    from tandem.models.loader import resolve_model
+    from tandem.tokenizer import Tokenizer
+
+    path = resolve_model(model)
+    tokenizer = Tokenizer.from_model_path(resolve_model(None) if path.startswith("dummy:")
+                                          else path)
+    sequences = sharegpt_sequences(tokenizer, num_conversations + num_self_generated, seq_len)
+    if num_self_generated:
+        from tandem import LLM
+
+        llm = LLM(model=model, device=device, max_num_seqs=64)
+        prompts = []
+        for ids in sequences[num_conversations:]:
+            # The conversation's first user turn, ending with the assistant prompt.
+            end = _first_assistant_start(tokenizer, ids)
+            prompts.append(ids[:end] if end else ids[: seq_len // 2])
+        sequences = sequences[:num_conversations] + self_generated_sequences(
+            llm, prompts, max_tokens=seq_len // 2
+        )
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed))
+    sequences = [sequences[i] for i in order.tolist()]
+    held_out = max(1, len(sequences) // 20)
+    return {
+        "train": pack_sequences(sequences[held_out:], seq_len),
+        "eval": pack_sequences(sequences[:held_out], seq_len),
+    }
+
+
+def _first_assistant_start(tokenizer, ids: list[int]) -> int | None:
+    """Index just after the first '<|im_start|>assistant\\n' style header, if any."""
+    header = tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+    marker = header[-3:]  # the generation prompt's last tokens
+    for i in range(len(ids) - len(marker)):
+        if ids[i : i + len(marker)] == marker:
+            return i + len(marker)
+    return None
+
+
+def add_cli_arguments(parser) -> None:
+    """Options of ``tandem train-mtp``."""
+    parser.add_argument("--model", default=None, help="base model (default: SmolLM2-135M)")
+    parser.add_argument("--out", required=True, help="directory for the head")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--num-conversations", type=int, default=4000)
+    parser.add_argument("--num-self-generated", type=int, default=1000)
+    parser.add_argument("--data", default=None, help="token data saved by --save-data")
+    parser.add_argument("--save-data", default=None, help="save the packed data and exit")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main_from_args(args) -> int:
+    """Run ``tandem train-mtp``."""
+    if args.data:
+        data = torch.load(args.data)
+    else:
+        data = build_data(args.model, args.num_conversations, args.num_self_generated,
+                          args.seq_len, args.device, args.seed)
+    if args.save_data:
+        torch.save(data, args.save_data)
+        print(f"saved {tuple(data['train'].shape)} train rows to {args.save_data}")
+        return 0
+    dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                         lr=args.lr, eval_every=args.eval_every, seed=args.seed)
+    _, summary = train_mtp(args.model, data["train"], data["eval"], config, args.device,
+                           getattr(torch, dtype_name), args.out)
+    print(json.dumps(summary["history"][-1]))
+    return 0
