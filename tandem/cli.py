@@ -153,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serving_bench.add_cli_arguments(serving)
     serving.set_defaults(handler=serving_bench.main_from_args)
+    spec = bench_commands.add_parser("spec", help="MTP acceptance and speedup on MT-Bench")
+    from tandem.bench import spec as spec_bench
+
+    spec_bench.add_cli_arguments(spec)
+    spec.set_defaults(handler=spec_bench.main_from_args)
     return parser
 
 

@@ -162,12 +162,14 @@ def _read_head_config(directory: str) -> dict:
     return config
 
 
-def save_head(head: MTPHead, directory: str, base_model: str, extra: dict | None = None) -> None:
-    """Write a Tandem head directory (safetensors + a small JSON config)."""
+def save_head(head: MTPHead, directory: str, base_model: str, extra: dict | None = None,
+              dtype: torch.dtype = torch.float32) -> None:
+    """Write a Tandem head directory (safetensors in ``dtype`` + a small JSON config)."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    save_file(head.export_weights(), os.path.join(directory, HEAD_WEIGHTS_FILE))
+    weights = {name: t.to(dtype).contiguous() for name, t in head.export_weights().items()}
+    save_file(weights, os.path.join(directory, HEAD_WEIGHTS_FILE))
     config = {"num_layers": head.num_layers, "base_model": base_model,
               "hidden_size": head.arch.hidden_size, **(extra or {})}
     with open(os.path.join(directory, HEAD_CONFIG_FILE), "w") as f:

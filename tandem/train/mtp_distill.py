@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -150,7 +151,7 @@ def train_mtp(
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         if step % config.eval_every == 0 or step == config.steps:
-            record = {"step": step, "loss": float(loss), "train_agree": float(agree),
+            record = {"step": step, "loss": loss.item(), "train_agree": agree.item(),
                       "eval_agree": evaluate(head, base, eval_tokens, config, device, dtype),
                       "elapsed_s": time.monotonic() - start}
             history.append(record)
@@ -162,7 +163,9 @@ def train_mtp(
         bar.close()
     summary = {"config": asdict(config), "history": history, "model": files.path}
     if out_dir is not None:
-        save_head(head, out_dir, files.path, {"training": summary})
+        # bf16 keeps the shipped file small; the engine casts it to its own dtype.
+        save_head(head, out_dir, os.path.basename(files.path), {"training": summary},
+                  dtype=torch.bfloat16)
         with open(f"{out_dir}/train_log.json", "w") as f:
             json.dump(summary, f, indent=2)
     return head, summary

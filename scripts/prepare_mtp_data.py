@@ -1,0 +1,23 @@
+"""Tokenize the MTP training data here (ShareGPT is too large to carry to the GPU machine).
+
+Writes {"sequences": chat-templated ShareGPT conversations, "self_prompts": first user turns
+whose replies the base model writes itself on the GPU}, as lists of token ids."""
+
+import sys
+
+import torch
+
+from tandem.models.loader import resolve_model
+from tandem.tokenizer import Tokenizer
+from tandem.train.mtp_distill import _first_assistant_start, sharegpt_sequences
+
+out, num_conversations, num_prompts, seq_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 256
+tokenizer = Tokenizer.from_model_path(resolve_model(None))
+sequences = sharegpt_sequences(tokenizer, num_conversations + num_prompts, seq_len)
+prompts = []
+for ids in sequences[num_conversations:]:
+    end = _first_assistant_start(tokenizer, ids)
+    if end:
+        prompts.append(ids[:end])
+torch.save({"sequences": sequences[:num_conversations], "self_prompts": prompts}, out)
+print(f"{len(sequences[:num_conversations])} conversations, {len(prompts)} prompts -> {out}")
