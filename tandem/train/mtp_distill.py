@@ -86,28 +86,40 @@ def _base_outputs(model: LlamaModel, tokens: torch.Tensor):
     return hidden.view(batch, seq_len, -1), logprobs.view(batch, seq_len, -1)
 
 
-def head_logits(head: MTPHead, model: LlamaModel, tokens: torch.Tensor, hidden: torch.Tensor):
-    """The head's logits at positions 0..T-2 (each predicting token t+2)."""
-    batch, seq_len = tokens.shape
-    length = seq_len - 1
-    backend = DenseCausalBackend(batch, length)
-    positions = torch.arange(length, device=tokens.device).repeat(batch)
-    embeds = model.embed_tokens(tokens[:, 1:]).reshape(batch * length, -1)
-    layer = head.layers[0]
-    g = layer(positions, embeds.detach(), hidden[:, :-1].reshape(batch * length, -1),
-              (None, None), None, backend)
-    return model.compute_logits(layer.final_norm(g)).view(batch, length, -1)
+DEPTH_WEIGHTS = (1.0, 0.7, 0.5)
 
 
-def distill_loss(head, model, tokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(base || head) over positions, and the greedy agreement rate (an acceptance
-    estimate for the first draft)."""
+def distill_loss(head, model, tokens, depths: int = len(DEPTH_WEIGHTS)):
+    """KL(base || head) summed over draft depths, and the first draft's greedy agreement
+    with the base (an acceptance estimate).
+
+    Depth d (0-based) runs at positions q in [d, T-2] on the previous depth's hidden state
+    at q-1 (the base's own at depth 0) and the token at q+1, and learns the base's
+    distribution over the token at q+2, exactly as the engine chains drafts.
+    """
     hidden, base_logprobs = _base_outputs(model, tokens)
-    student = head_logits(head, model, tokens, hidden).log_softmax(dim=-1)
-    teacher = base_logprobs[:, 1:]
-    loss = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
-    agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
-    return loss, agree
+    batch, seq_len = tokens.shape
+    previous = hidden
+    total = hidden.new_zeros((), dtype=torch.float32)
+    first_agree = None
+    for depth in range(depths):
+        length = seq_len - 1 - depth
+        if length < 1:
+            break
+        layer = head.layers[head.layer_for_depth(depth)]
+        backend = DenseCausalBackend(batch, length)
+        positions = torch.arange(depth, depth + length, device=tokens.device).repeat(batch)
+        embeds = model.embed_tokens(tokens[:, depth + 1 :]).reshape(batch * length, -1)
+        g = layer(positions, embeds.detach(), previous[:, :length].reshape(batch * length, -1),
+                  (None, None), None, backend).view(batch, length, -1)
+        student = model.compute_logits(layer.final_norm(g)).log_softmax(dim=-1)
+        teacher = base_logprobs[:, depth + 1 :]
+        kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
+        total = total + DEPTH_WEIGHTS[min(depth, len(DEPTH_WEIGHTS) - 1)] * kl
+        if first_agree is None:
+            first_agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
+        previous = g
+    return total, first_agree
 
 
 def train_mtp(
