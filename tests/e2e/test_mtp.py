@@ -151,3 +151,15 @@ def test_seeded_sampling_with_mtp_same_alone_and_in_batch(make_llm, prompts):
     alone = llm.generate(prompts[0], seeded)[0].outputs[0].token_ids
     batch = llm.generate(prompts[:6], [seeded] + [SamplingParams(max_tokens=16)] * 5)
     assert batch[0].outputs[0].token_ids == alone
+
+
+def test_shipped_head_is_used_by_default_and_gets_accepted(make_llm, prompts, baseline):
+    llm = make_llm(speculative="mtp", num_speculative_tokens=3)
+    before = llm.get_metrics()
+    outputs = llm.generate(prompts, _greedy())
+    after = llm.get_metrics()
+    assert_same_as_baseline(outputs, baseline)
+    drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    # A trained head: well above what a random head gets (nothing).
+    assert accepted / drafts > 0.2, f"{accepted} accepted tokens over {drafts} draft runs"

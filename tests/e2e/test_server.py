@@ -104,7 +104,7 @@ def client(server) -> openai.OpenAI:
 
 def async_client(server: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0,
-                              timeout=120)
+                              timeout=600)
 
 
 # ---- helpers -----------------------------------------------------------------------------
