@@ -99,25 +99,22 @@ def build_app(
         except EngineDeadError as e:
             raise ApiError(503, str(e), "service_unavailable") from e
 
-    @app.post("/v1/completions", dependencies=authorized)
-    async def completions(body: CompletionRequest, request: Request):
+    async def run(prepare, body, request: Request):
         check_model(body.model)
         check_capacity()
         try:
-            prepared = prepare_completion(body, client)
+            prepared = prepare(body, client)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         return await serve(RequestRun(prepared, client, metrics, served_model_name), request)
 
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(body: CompletionRequest, request: Request):
+        return await run(prepare_completion, body, request)
+
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
-        check_capacity()
-        try:
-            prepared = prepare_chat(body, client)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from e
-        return await serve(RequestRun(prepared, client, metrics, served_model_name), request)
+        return await run(prepare_chat, body, request)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models():
