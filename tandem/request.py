@@ -49,7 +49,6 @@ class Request:
     stop_reason: int | str | None = None
     # Draft tokens proposed for the next step (speculative decoding).
     draft_token_ids: list[int] = field(default_factory=list)
-    first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,12 +67,6 @@ class Request:
         """The output limit; without one, the model's context is the only limit."""
         max_tokens = self.sampling_params.max_tokens
         return max_tokens if max_tokens is not None else 1 << 62
-
-    def token_at(self, index: int) -> int:
-        """The token at absolute position ``index`` (prompt first, then output)."""
-        if index < self.num_prompt_tokens:
-            return self.prompt_token_ids[index]
-        return self.output_token_ids[index - self.num_prompt_tokens]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from tandem.config import EngineConfig
@@ -113,16 +111,12 @@ class EngineCore:
             return []
         results = self.runner.execute(step)
         updates = self.scheduler.update_from_output(step, results)
-        now = time.monotonic()
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] = self.scheduler.num_preemptions
         for update in updates:
             self.counters["num_generation_tokens"] += len(update.new_token_ids)
             if update.finish_reason is not None:
                 self.counters["num_requests_finished"] += 1
-        for row in step.scheduled:
-            if row.request.first_token_time is None and row.request.output_token_ids:
-                row.request.first_token_time = now
         return updates
 
     def metrics(self) -> dict[str, float]:

@@ -9,7 +9,7 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.bench.datasets import load_mtbench
-from tandem.bench.hf_reference import hf_greedy_generate, load_hf_model
+from tandem.bench.hf_reference import hf_greedy_generate, load_hf_model, tie_rule_mismatches
 from tandem.models.loader import default_model_path
 
 MAX_NEW_TOKENS = 24
@@ -73,26 +73,9 @@ def reference(hf_model, llm_cache):
 
 
 def assert_matches_hf(outputs, references) -> int:
-    """Compare each output with HF's; returns how many stopped at a numerical tie."""
-    ties = 0
-    for index, (output, ref) in enumerate(zip(outputs, references, strict=True)):
-        completion = output.outputs[0]
-        ours, theirs = completion.token_ids, ref["token_ids"]
-        for position, (token, ref_token) in enumerate(zip(ours, theirs)):
-            if token != ref_token:
-                best, second = ref["top2"][position]
-                assert best - second < TOLERANCE, (
-                    f"prompt {index}: token {position} is {token}, HF chose {ref_token} "
-                    f"with a margin of {best - second:.2e}"
-                )
-                ties += 1
-                break
-            our_logprob = completion.logprobs[position][token].logprob
-            assert abs(our_logprob - ref["logprobs"][position]) < TOLERANCE, (
-                f"prompt {index}: logprob at {position}: {our_logprob} vs {ref['logprobs'][position]}"
-            )
-        else:
-            assert len(ours) == len(theirs), f"prompt {index}: {len(ours)} vs {len(theirs)} tokens"
+    """Assert the tie rule holds for every output; returns how many stopped at a tie."""
+    problems, ties = tie_rule_mismatches(outputs, references, TOLERANCE)
+    assert not problems, problems
     return ties
 
 
