@@ -1,5 +1,10 @@
-"""On the lent GPU: self-generated replies, MTP head distillation, then the MT-Bench spec
-benchmark. Usage: gpu_mtp.py MODEL.gguf DATA.pt OUT_DIR STEPS"""
+"""On the lent GPU: self-generated replies, MTP head distillation within a time budget, then
+the head's acceptance on the 80 MT-Bench questions (k=3, greedy, all in one batch).
+
+Usage: gpu_mtp.py MODEL.gguf DATA.pt OUT_DIR TIME_BUDGET_S [gen|train|accept|speed|all]
+The self-generated sequences are saved to OUT_DIR/self_generated.pt (`gen` stops there);
+GENERATED=that file skips the generation in a later call. `speed` is `tandem bench spec`'s run at
+batch 1 and 16 (with the non-speculative baseline)."""
 
 import json
 import os
@@ -9,10 +14,10 @@ import time
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.bench.spec import run_spec_bench
+from tandem.bench.spec import _prompts, acceptance, run_spec_bench
 from tandem.train.mtp_distill import TrainConfig, pack_sequences, train_mtp
 
-model, data_path, out_dir, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+model, data_path, out_dir, budget = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 stage = sys.argv[5] if len(sys.argv) > 5 else "all"
 # SMOKE=1 runs the same path on the CPU at toy sizes, to catch mistakes before GPU time.
 smoke = os.environ.get("SMOKE") == "1"
@@ -20,36 +25,70 @@ device, dtype_name = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
 head_dir = os.path.join(out_dir, "head")
 report: dict = {"device": "cpu" if smoke else torch.cuda.get_device_name(),
                 "torch": torch.__version__}
+started = time.perf_counter()
 
-if stage in ("all", "train"):
+
+def sync() -> None:
+    if not smoke:
+        torch.cuda.synchronize()
+
+
+if stage in ("all", "gen", "train"):
     data = torch.load(data_path)
     if smoke:
         data = {"sequences": data["sequences"][:40], "self_prompts": data["self_prompts"][:4]}
-    start = time.perf_counter()
-    llm = LLM(model=model, device=device, max_num_seqs=128, kv_cache_memory_gb=1 if smoke else 8)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in data["self_prompts"]],
-                           SamplingParams(temperature=0.0, max_tokens=8 if smoke else 192), use_tqdm=False)
-    if not smoke:
-        torch.cuda.synchronize()
-    generated = [o.prompt_token_ids + o.outputs[0].token_ids for o in outputs]
-    report["self_generation"] = {"requests": len(generated), "seconds": time.perf_counter() - start,
-                                 "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
-    del llm
+    generated = torch.load(os.environ["GENERATED"])["generated"] if "GENERATED" in os.environ else None
+    if generated is None:
+        llm = LLM(model=model, device=device, max_num_seqs=8 if smoke else 384,
+                  kv_cache_memory_gb=1 if smoke else 24)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in data["self_prompts"]],
+                               SamplingParams(temperature=0.0, max_tokens=8 if smoke else 192),
+                               use_tqdm=False)
+        sync()
+        generated = [o.prompt_token_ids + o.outputs[0].token_ids for o in outputs]
+        report["self_generation"] = {"requests": len(generated),
+                                     "seconds": time.perf_counter() - started,
+                                     "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+        del llm
+        torch.save({"generated": generated}, os.path.join(out_dir, "self_generated.pt"))
+        print(json.dumps(report["self_generation"]), flush=True)
+
+if stage in ("all", "train"):
     sequences = data["sequences"] + generated
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(0)).tolist()
     sequences = [sequences[i] for i in order]
     held_out = len(sequences) // 20
     train, held = pack_sequences(sequences[held_out:], 256), pack_sequences(sequences[:held_out], 256)
-    report["data"] = {"train_rows": train.shape[0], "eval_rows": held.shape[0], "seq_len": 256}
-    config = TrainConfig(steps=steps, batch_size=2 if smoke else 32, seq_len=256, lr=1e-3,
-                         eval_every=500)
+    report["data"] = {"train_rows": train.shape[0], "eval_rows": held.shape[0], "seq_len": 256,
+                      "sharegpt_sequences": len(data["sequences"]),
+                      "self_generated_sequences": len(generated)}
+    # Leave about a minute of the call for the acceptance run.
+    remaining = budget - (time.perf_counter() - started) - (5 if smoke else 75)
+    config = TrainConfig(steps=20 if smoke else 100_000, batch_size=2 if smoke else 32,
+                         seq_len=256, lr=1e-3, eval_every=500, time_budget_s=remaining)
     start = time.perf_counter()
     _, summary = train_mtp(model, train, held, config, device, getattr(torch, dtype_name), head_dir,
                            progress=False)
-    report["training"] = {"seconds": time.perf_counter() - start, "history": summary["history"]}
+    report["training"] = {"seconds": time.perf_counter() - start, "steps": summary["steps_run"],
+                          "history": summary["history"]}
     print(json.dumps(report["training"]["history"][-1]), flush=True)
 
-if stage in ("all", "bench"):
+if stage in ("all", "train", "accept"):
+    questions, tokens = (4, 8) if smoke else (80, 256)
+    llm = LLM(model=model, device=device, dtype=dtype_name, max_num_seqs=questions,
+              speculative="mtp", num_speculative_tokens=3, speculative_model=head_dir)
+    prompts = _prompts(llm.tokenizer, questions)
+    before = llm.get_metrics()
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens), use_tqdm=False)
+    sync()
+    report["acceptance"] = {"k": 3, "questions": questions, "max_tokens": tokens,
+                            "batch_size": questions, "seconds": time.perf_counter() - start,
+                            **acceptance(before, llm.get_metrics(), 3)}
+    print(json.dumps(report["acceptance"]), flush=True)
+    del llm
+
+if stage in ("all", "speed"):
     questions, tokens = (4, 8) if smoke else (80, 256)
     report["spec"] = run_spec_bench(model, head_dir, 3, [16], questions, tokens, device,
                                     dtype_name, None)

@@ -36,6 +36,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     eval_every: int = 200
     seed: int = 0
+    # Stop after this many seconds even if fewer than ``steps`` ran; the learning-rate
+    # schedule follows whichever of the two budgets is further spent.
+    time_budget_s: float | None = None
 
 
 def pack_sequences(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
@@ -149,9 +152,14 @@ def train_mtp(
 
         bar = tqdm(total=config.steps, desc="train-mtp", dynamic_ncols=True)
     start = time.monotonic()
-    for step in range(1, config.steps + 1):
+    step = 0
+    while True:
+        progress = _progress(step, config, time.monotonic() - start)
+        if progress >= 1.0:
+            break
+        step += 1
         lr = config.lr * min(1.0, step / max(config.warmup_steps, 1))
-        lr *= 0.5 * (1 + math.cos(math.pi * min(step / config.steps, 1.0)))
+        lr *= 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = torch.randint(0, train_tokens.shape[0], (config.batch_size,), generator=generator)
@@ -162,7 +170,8 @@ def train_mtp(
         loss.float().backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
-        if step % config.eval_every == 0 or step == config.steps:
+        last = _progress(step, config, time.monotonic() - start) >= 1.0
+        if step % config.eval_every == 0 or last:
             record = {"step": step, "loss": loss.item(), "train_agree": agree.item(),
                       "eval_agree": evaluate(head, base, eval_tokens, config, device, dtype),
                       "elapsed_s": time.monotonic() - start}
@@ -173,7 +182,8 @@ def train_mtp(
             bar.update(1)
     if bar is not None:
         bar.close()
-    summary = {"config": asdict(config), "history": history, "model": files.path}
+    summary = {"config": asdict(config), "steps_run": step, "history": history,
+               "model": files.path}
     if out_dir is not None:
         # bf16 keeps the shipped file small; the engine casts it to its own dtype.
         save_head(head, out_dir, os.path.basename(files.path), {"training": summary},
@@ -181,6 +191,14 @@ def train_mtp(
         with open(f"{out_dir}/train_log.json", "w") as f:
             json.dump(summary, f, indent=2)
     return head, summary
+
+
+def _progress(step: int, config: TrainConfig, elapsed_s: float) -> float:
+    """Fraction of the training budget spent: steps, or wall time when that is tighter."""
+    progress = step / config.steps
+    if config.time_budget_s:
+        progress = max(progress, elapsed_s / config.time_budget_s)
+    return min(progress, 1.0)
 
 
 def evaluate(head, base, eval_tokens, config: TrainConfig, device, dtype) -> float:
@@ -261,6 +279,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="stop after this many seconds (the schedule shortens to fit)")
     parser.add_argument("--num-conversations", type=int, default=4000)
     parser.add_argument("--num-self-generated", type=int, default=1000)
     parser.add_argument("--data", default=None, help="token data saved by --save-data")
@@ -281,7 +301,8 @@ def main_from_args(args) -> int:
         return 0
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                         lr=args.lr, eval_every=args.eval_every, seed=args.seed)
+                         lr=args.lr, eval_every=args.eval_every, seed=args.seed,
+                         time_budget_s=args.time_budget)
     _, summary = train_mtp(args.model, data["train"], data["eval"], config, args.device,
                            getattr(torch, dtype_name), args.out)
     print(json.dumps(summary["history"][-1]))
