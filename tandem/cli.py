@@ -21,6 +21,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--speculative-model", default=None,
                         help="MTP head directory (from tandem train-mtp) or 'dummy'")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="run scheduling and the model in turn (overlap is on by default)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -36,6 +38,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "speculative": args.speculative,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_model": args.speculative_model,
+        "overlap": not args.no_overlap,
     }
 
 
@@ -73,6 +76,7 @@ def engine_config(args: argparse.Namespace):
         device=args.device,
         dtype=args.dtype,
         seed=args.seed,
+        overlap=not args.no_overlap,
         cache=CacheConfig(
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             enable_prefix_caching=not args.no_prefix_caching,
@@ -158,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     spec_bench.add_cli_arguments(spec)
     spec.set_defaults(handler=spec_bench.main_from_args)
+    decode = bench_commands.add_parser("decode", help="decode tokens/s and GPU idle fraction")
+    from tandem.bench import decode as decode_bench
+
+    decode_bench.add_cli_arguments(decode)
+    decode.set_defaults(handler=decode_bench.main_from_args)
     return parser
 
 

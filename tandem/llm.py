@@ -34,7 +34,7 @@ class LLM:
         speculative: str | None = None,
         num_speculative_tokens: int = 3,
         speculative_model: str | None = None,
-        overlap: bool = False,
+        overlap: bool = True,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,

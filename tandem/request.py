@@ -47,8 +47,13 @@ class Request:
     # Index i holds the logprobs of prompt token i + 1 (prompt token 0 has none).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
-    # Draft tokens proposed for the next step (speculative decoding).
-    draft_token_ids: list[int] = field(default_factory=list)
+    # Drafts the model runner holds for the next step (speculative decoding).
+    num_draft_tokens: int = 0
+    # Overlap scheduling: steps scheduled but not yet applied that hold a row of this
+    # request, and where the last such row ends and whether it samples.
+    num_in_flight: int = 0
+    in_flight_end: int = 0
+    in_flight_samples: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

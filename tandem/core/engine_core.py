@@ -3,15 +3,21 @@
     step = scheduler.schedule()
     results = model_runner.execute(step)
     updates = scheduler.update_from_output(step, results)
+
+With overlap scheduling (the default) the model runner works in its own thread, one step
+ahead: ``step()`` schedules and submits step n+1, then waits for step n and applies it, so
+the host's scheduling and post-processing run while the device computes.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from tandem.config import EngineConfig
 from tandem.core.kv_cache import BlockManager
-from tandem.core.scheduler import RequestUpdate, Scheduler
+from tandem.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerOutput
 from tandem.models.loader import ModelFiles
 from tandem.models.mtp import mtp_head_layers
 from tandem.request import Request, RequestStatus
@@ -48,6 +54,9 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len,
                                    spec.num_speculative_tokens if spec.method else 0)
+        # Overlap scheduling: the runner's thread and the step it is working on.
+        self._worker = ThreadPoolExecutor(1, "tandem-runner") if config.overlap else None
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None
         self.counters = {
             "num_requests_added": 0,
             "num_requests_finished": 0,
@@ -98,18 +107,32 @@ class EngineCore:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is waiting or running, or a step is still in flight."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
-        """Schedule, run and post-process one step."""
+        """Schedule, run and post-process one step (with overlap: submit the next step,
+        then apply the one before it)."""
         step = self.scheduler.schedule()
-        if step.is_empty:
-            if step.finished_request_ids:
-                self.runner.execute(step)  # drop per-request state of finished requests
+        if self._worker is None:
+            if step.is_empty:
+                if step.finished_request_ids:
+                    self.runner.execute(step)  # drop per-request state of finished requests
+                return []
+            return self._apply(step, self.runner.execute(step))
+        future = None
+        if not step.is_empty or step.finished_request_ids:
+            future = self._worker.submit(self.runner.execute, step)
+        previous, self._in_flight = self._in_flight, None
+        if future is not None and not step.is_empty:
+            self._in_flight = (step, future)
+        if previous is None:
             return []
-        results = self.runner.execute(step)
+        return self._apply(previous[0], previous[1].result())
+
+    def _apply(self, step: SchedulerOutput, results: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = self.scheduler.update_from_output(step, results)
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] = self.scheduler.num_preemptions
@@ -118,6 +141,14 @@ class EngineCore:
             if update.finish_reason is not None:
                 self.counters["num_requests_finished"] += 1
         return updates
+
+    def shutdown(self) -> None:
+        """Finish the step in flight and stop the runner's thread."""
+        if self._worker is not None:
+            if self._in_flight is not None:
+                self._in_flight[1].result()
+                self._in_flight = None
+            self._worker.shutdown(wait=True)
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges of this engine (a flat dict)."""

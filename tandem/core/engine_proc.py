@@ -133,6 +133,7 @@ class EngineCoreProcess:
             updates = self.core.step()
             stats = self.core.metrics()
             self.outputs.send(pack(["updates", [update_to_list(u) for u in updates], stats]))
+        self.core.shutdown()
         self.inputs.close(linger=0)
         self.outputs.close(linger=0)
         self.context.term()

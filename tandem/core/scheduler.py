@@ -17,26 +17,27 @@ from tandem.request import Request, RequestStatus, TokenLogprobs
 
 @dataclass
 class ScheduledRequest:
-    """One row of a step: compute ``num_new_tokens`` tokens after the computed ones."""
+    """One row of a step: compute up to ``num_new_tokens`` tokens of the request.
+
+    For a prompt chunk the count is exact. For a decode row it is the room for the last token
+    and its drafts; the model runner, which holds the drafts (and with overlap scheduling is
+    a step ahead of the scheduler), decides how many run. A request that (re)enters the
+    running set carries a snapshot of its tokens and of its KV already in the cache.
+    """
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def start(self) -> int:
-        """Position of the first token computed in this step."""
-        return self.request.num_computed_tokens
+    # The scheduler's view when it made the row: the first position and whether the row
+    # samples (a follow-up row's true start is known to the runner only).
+    start: int = 0
+    samples: bool = True
+    reset_token_ids: list[int] | None = None
+    reset_num_computed: int = 0
 
     @property
     def end(self) -> int:
-        return self.request.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when the step reaches the last known token, so a new token is sampled."""
-        return self.end >= self.request.num_tokens
+        return self.start + self.num_new_tokens
 
 
 @dataclass
@@ -63,8 +64,10 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Drafts proposed for each request's next step (speculative decoding).
-    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: drafts the runner holds for each request's next step, and the
+    # drafts verified in this step (the accepted ones are the sampled tokens but one).
+    num_drafts: dict[str, int] = field(default_factory=dict)
+    num_verified_drafts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,29 +138,37 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. With overlap scheduling one step may still be in flight: a request
+        that samples there gets a follow-up row whose inputs the model runner resolves."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        scheduled_ids: set[str] = set()
         preempted = False
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, budget)
+            follow_up = request.num_in_flight > 0 and request.in_flight_samples
+            if follow_up:
+                num_new, num_alloc = self._follow_up_tokens(request, budget)
+            else:
+                num_new = num_alloc = self._num_new_tokens(request, budget)
             if num_new <= 0:
                 index += 1
                 continue
             while not self.block_manager.allocate_slots(
-                request, num_new, num_lookahead_tokens=self._lookahead(request, num_new)
+                request, num_alloc, num_lookahead_tokens=self._lookahead(request, num_alloc)
             ):
-                victim = self.running[-1]
+                # A request with a row in flight is never preempted: its results are coming.
+                victim = next((r for r in reversed(self.running) if not r.num_in_flight), None)
+                if victim is None:
+                    index += 1  # wait for the step in flight
+                    break
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                scheduled.append(self._row(request, num_new))
-                scheduled_ids.add(request.request_id)
+                scheduled.append(self._row(request, num_new, follow_up))
                 budget -= num_new
                 index += 1
 
@@ -176,9 +187,10 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             request.num_cached_tokens = num_hit_tokens
+            request.num_draft_tokens = 0
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(self._row(request, num_new))
+            scheduled.append(self._row(request, num_new, follow_up=False, admitted=True))
             budget -= num_new
 
         finished_ids, self._finished_ids = self._finished_ids, []
@@ -186,8 +198,17 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Known tokens not yet computed, plus the drafts to verify, within the budget."""
-        num_new = request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids)
+        num_new = request.num_tokens - request.num_computed_tokens + request.num_draft_tokens
         return min(num_new, budget, self.max_model_len - request.num_computed_tokens)
+
+    def _follow_up_tokens(self, request: Request, budget: int) -> tuple[int, int]:
+        """(tokens to budget, tokens to allocate after the computed ones) for the row that
+        follows a sampling row still in flight. That row ends at ``in_flight_end`` and
+        keeps at most all its drafts, so this one computes positions below
+        ``in_flight_end + 1 + k`` (within the context)."""
+        k = self.num_speculative_tokens
+        end = min(request.in_flight_end + 1 + k, self.max_model_len)
+        return min(1 + k, budget), max(0, end - request.num_computed_tokens)
 
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """Slots beyond this step for the MTP head's deeper drafts (within the context)."""
@@ -196,14 +217,27 @@ class Scheduler:
         room = self.max_model_len - (num_computed + num_new)
         return max(0, min(self.num_speculative_tokens, room))
 
-    def _row(self, request: Request, num_new: int) -> ScheduledRequest:
-        # Drafts that do not fit the step's token budget are dropped.
-        num_drafts = max(0, request.num_computed_tokens + num_new - request.num_tokens)
-        drafts = request.draft_token_ids[:num_drafts]
-        request.draft_token_ids = []
-        return ScheduledRequest(
-            request, num_new, self.block_manager.block_ids(request.request_id), drafts
+    def _row(self, request: Request, num_new: int, follow_up: bool,
+             admitted: bool = False) -> ScheduledRequest:
+        row = ScheduledRequest(
+            request, num_new, list(self.block_manager.block_ids(request.request_id)),
+            start=request.num_computed_tokens,
         )
+        if admitted:
+            row.reset_token_ids = request.all_token_ids()
+            row.reset_num_computed = request.num_computed_tokens
+        request.num_in_flight += 1
+        if follow_up:
+            request.in_flight_end += num_new  # an upper bound: fewer drafts may run
+            return row
+        end = request.num_computed_tokens + num_new
+        request.in_flight_end = end
+        request.in_flight_samples = row.samples = end >= request.num_tokens
+        if not request.in_flight_samples:
+            # A prompt chunk's progress is certain: count it now, so that the next chunk
+            # can be scheduled while this one runs.
+            request.num_computed_tokens = end
+        return row
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks; it recomputes from scratch when readmitted."""
@@ -211,7 +245,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.draft_token_ids = []
+        request.num_draft_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -225,17 +259,22 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         for row in output.scheduled:
             request = row.request
+            request.num_in_flight -= 1
             if request.is_finished:
-                continue  # aborted while the step ran
+                continue  # finished or aborted while the step ran: its results are dropped
             request_id = request.request_id
             sampled = runner_output.sampled_token_ids.get(request_id, [])
             if sampled:
                 # KV stays valid for the known tokens and the accepted drafts: every new
                 # token but the last (whose KV the next step computes).
                 request.num_computed_tokens = request.num_tokens + len(sampled) - 1
-                self._count_drafts(row, len(sampled) - 1)
-            else:
-                request.num_computed_tokens += row.num_new_tokens
+                self._count_drafts(runner_output.num_verified_drafts.get(request_id, 0),
+                                   len(sampled) - 1)
+                if request.num_in_flight:
+                    # The follow-up row in flight starts here and runs at most 1 + k tokens.
+                    request.in_flight_end = min(
+                        request.in_flight_end,
+                        request.num_computed_tokens + 1 + self.num_speculative_tokens)
             # Before any stop check: finishing frees the blocks.
             self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
@@ -251,8 +290,8 @@ class Scheduler:
                     new_logprobs.append(sampled_logprobs[position])
                 if self._check_stop(request, token_id):
                     break
-            if not request.is_finished:
-                request.draft_token_ids = runner_output.draft_token_ids.get(request_id, [])
+            if sampled and not request.is_finished:
+                request.num_draft_tokens = runner_output.num_drafts.get(request_id, 0)
             if new_tokens or new_prompt_logprobs or request.is_finished:
                 updates.append(
                     RequestUpdate(
@@ -267,11 +306,11 @@ class Scheduler:
                 )
         return updates
 
-    def _count_drafts(self, row: ScheduledRequest, num_accepted: int) -> None:
-        if not row.draft_token_ids:
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        if not num_drafts:
             return
         self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += len(row.draft_token_ids)
+        self.spec_num_draft_tokens += num_drafts
         self.spec_num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.spec_accepted_per_pos[position] += 1

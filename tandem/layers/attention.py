@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.transfer import to_device
+
 
 @dataclass
 class PaddedGroup:
@@ -128,38 +130,36 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _group(members, query_lens, seq_lens, block_tables, query_start, block_size, device,
                whole_batch: bool) -> PaddedGroup:
-        q_lens = torch.tensor([query_lens[i] for i in members], dtype=torch.long)
-        s_lens = torch.tensor([seq_lens[i] for i in members], dtype=torch.long)
-        max_query_len = int(q_lens.max())
-        max_blocks = -(-int(s_lens.max()) // block_size)
+        # Built from host ints and copied without a wait (see tandem.transfer).
+        q_lens = [query_lens[i] for i in members]
+        s_lens = [seq_lens[i] for i in members]
+        max_query_len = max(q_lens)
+        max_blocks = -(-max(s_lens) // block_size)
         table = torch.zeros((len(members), max_blocks), dtype=torch.long)
         for row, i in enumerate(members):
             used = block_tables[i][:max_blocks]
             table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
-        token_batch_index = torch.repeat_interleave(torch.arange(len(members)), q_lens)
-        starts = torch.zeros(len(members), dtype=torch.long)
-        torch.cumsum(q_lens[:-1], 0, out=starts[1:])
-        token_query_index = torch.arange(int(q_lens.sum())) - torch.repeat_interleave(
-            starts, q_lens
-        )
+        token_batch_index = [row for row, q in enumerate(q_lens) for _ in range(q)]
+        token_query_index = [j for q in q_lens for j in range(q)]
         token_rows = None
         if not whole_batch:
-            token_rows = torch.cat([
-                torch.arange(query_start[i], query_start[i + 1]) for i in members
-            ]).to(device)
+            token_rows = to_device(
+                [t for i in members for t in range(query_start[i], query_start[i + 1])],
+                torch.long, device)
         # Query row j of a request sits at position seq_len - query_len + j and sees keys
         # up to and including that position.
-        query_pos = (s_lens - q_lens)[:, None] + torch.arange(max_query_len)[None, :]
+        starts = torch.tensor([s - q for s, q in zip(s_lens, q_lens, strict=True)])
+        query_pos = starts[:, None] + torch.arange(max_query_len)[None, :]
         key_pos = torch.arange(max_blocks * block_size)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
         # Padding rows attend to key 0 only, so they stay finite; their output is dropped.
-        mask[..., 0] |= torch.arange(max_query_len)[None, :] >= q_lens[:, None]
+        mask[..., 0] |= torch.arange(max_query_len)[None, :] >= torch.tensor(q_lens)[:, None]
         return PaddedGroup(
             token_rows=token_rows,
-            block_tables=table.to(device),
-            token_batch_index=token_batch_index.to(device),
-            token_query_index=token_query_index.to(device),
-            attn_mask=mask.unsqueeze(1).to(device),
+            block_tables=to_device(table, torch.long, device),
+            token_batch_index=to_device(token_batch_index, torch.long, device),
+            token_query_index=to_device(token_query_index, torch.long, device),
+            attn_mask=to_device(mask.unsqueeze(1), torch.bool, device),
             max_query_len=max_query_len,
         )
 

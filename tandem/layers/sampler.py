@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.sampling_params import SamplingParams
+from tandem.transfer import to_device
 
 
 @dataclass
@@ -20,6 +21,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [N] fp32, 1.0 on greedy rows (unused there)
     greedy: torch.Tensor  # [N] bool
     top_k: torch.Tensor | None  # [N] long, vocab size where disabled; None if unused
+    max_top_k: int  # the largest top_k (known on the host, so no device read is needed)
     top_p: torch.Tensor | None  # [N] fp32; None if unused
     min_p: torch.Tensor | None  # [N] fp32; None if unused
     # Per row: its own generator (seeded request) or None (the engine's generator).
@@ -44,13 +46,15 @@ class SamplingBatch:
             return any(values[i] != off for i in sampled_rows)
 
         return cls(
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device
+            temperature=to_device(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                torch.float32, device,
             ),
-            greedy=torch.tensor(greedy, device=device),
-            top_k=torch.tensor(top_k, device=device) if uses(top_k, vocab_size) else None,
-            top_p=torch.tensor(top_p, device=device) if uses(top_p, 1.0) else None,
-            min_p=torch.tensor(min_p, device=device) if uses(min_p, 0.0) else None,
+            greedy=to_device(greedy, torch.bool, device),
+            top_k=to_device(top_k, torch.long, device) if uses(top_k, vocab_size) else None,
+            max_top_k=max(top_k),
+            top_p=to_device(top_p, torch.float32, device) if uses(top_p, 1.0) else None,
+            min_p=to_device(min_p, torch.float32, device) if uses(min_p, 0.0) else None,
             generators=generators,
             all_greedy=not sampled_rows,
         )
@@ -60,7 +64,7 @@ def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p: the distribution each row samples from."""
     logits = logits / batch.temperature[:, None]
     if batch.top_k is not None:
-        max_k = int(batch.top_k.max())
+        max_k = batch.max_top_k
         top_values = logits.topk(max_k, dim=-1).values
         kth = top_values.gather(1, (batch.top_k - 1).clamp(max=max_k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -101,8 +105,10 @@ def draw(
     generator, so it gets the same token alone or in any batch."""
     noise = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(
+    if len(unseeded) == len(generators):
+        noise.exponential_(generator=default_generator)
+    elif unseeded:
+        noise[to_device(unseeded, torch.long, probs.device)] = torch.empty(
             (len(unseeded), probs.shape[1]), device=probs.device
         ).exponential_(generator=default_generator)
     for row, generator in enumerate(generators):
@@ -121,16 +127,22 @@ class LogprobsTensors:
     top_ids: torch.Tensor  # [N, num_top]
     top_logprobs: torch.Tensor  # [N, num_top]
 
-    def to_lists(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
-        """Host lists (one device-to-host copy per tensor)."""
-        token_logprobs = self.token_logprobs.tolist()
-        ranks = self.ranks.tolist()
-        top_ids = self.top_ids.tolist()
-        top_logprobs = self.top_logprobs.tolist()
+    def tensors(self) -> list[torch.Tensor]:
+        """The four tensors, in the order :meth:`from_host` takes them back."""
+        return [self.token_logprobs, self.ranks, self.top_ids, self.top_logprobs]
+
+    @staticmethod
+    def from_host(lists: list[list]) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """Per row (logprob, rank, top pairs), from the host copies of :meth:`tensors`."""
+        token_logprobs, ranks, top_ids, top_logprobs = lists
         return [
-            (token_logprobs[i], ranks[i], list(zip(top_ids[i], top_logprobs[i])))
+            (token_logprobs[i], ranks[i], list(zip(top_ids[i], top_logprobs[i], strict=True)))
             for i in range(len(ranks))
         ]
+
+    def to_lists(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """Host lists (reads the device: for tests and tools, not the step loop)."""
+        return self.from_host([t.tolist() for t in self.tensors()])
 
 
 def compute_logprobs(

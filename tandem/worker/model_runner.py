@@ -13,28 +13,71 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import TorchAttentionBackend
-from tandem.layers.sampler import compute_logprobs
+from tandem.layers.sampler import LogprobsTensors, compute_logprobs
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
+from tandem.transfer import DeviceReader, copy_to, to_device
 from tandem.worker.spec.proposer import MTPProposer, ProposalRow
 from tandem.worker.step_sampler import SamplingRow, sample_step
+
+
+@dataclass
+class RequestState:
+    """The runner's own view of one request, kept across steps: with overlap scheduling the
+    runner is a step ahead of the scheduler, so it resolves each row's inputs from here."""
+
+    token_ids: list[int]  # prompt and every token this runner emitted
+    num_prompt_tokens: int
+    num_computed: int  # positions whose KV is valid
+    generator: torch.Generator | None
+    drafts: torch.Tensor | None = None  # [num_drafts] on the device, for the next step
+    draft_probs: torch.Tensor | None = None  # [num_drafts, V] for sampled drafts
+    num_prompt_logprobs: int = 0  # prompt logprobs reported so far (survives preemption)
+
+    @property
+    def num_drafts(self) -> int:
+        return 0 if self.drafts is None else int(self.drafts.shape[0])
+
+
+@dataclass
+class RowPlan:
+    """What this step computes for one scheduled row."""
+
+    row: ScheduledRequest
+    state: RequestState
+    start: int  # first position computed
+    num_known: int  # known tokens fed (the rest of the row are drafts)
+    num_drafts: int
+    offset: int  # flat index of the row's first token
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_known + self.num_drafts
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_known == len(self.state.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.row.request.request_id
 
 
 @dataclass
 class StepInputs:
     """Host-side description of one step's flat batch."""
 
+    plans: list[RowPlan]
     token_ids: list[int]
     positions: list[int]
     slots: list[int]
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
-    # (row, flat index of its last known token; its drafts follow it)
-    sample_rows: list[tuple[ScheduledRequest, int]]
-    row_offsets: list[int]  # flat index of each scheduled row's first token
-    # (row, flat indices whose logits predict prompt tokens, those prompt tokens)
-    prompt_rows: list[tuple[ScheduledRequest, list[int], list[int]]]
+    draft_index: list[int]  # flat indices whose tokens are drafts (filled on the device)
+    drafts: list[torch.Tensor]
+    # (plan, flat indices whose logits predict prompt tokens, those prompt tokens)
+    prompt_rows: list[tuple[RowPlan, list[int], list[int]]]
 
 
 def kv_cache_bytes_per_block(arch, block_size: int, dtype: torch.dtype,
@@ -71,8 +114,8 @@ class ModelRunner:
             for _ in range(self.arch.num_layers)
         ]
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self._generators: dict[str, torch.Generator] = {}
-        self._draft_probs: dict[str, torch.Tensor] = {}
+        self.states: dict[str, RequestState] = {}
+        self.reader = DeviceReader(self.device)
         self.proposer = None
         if use_mtp:
             mtp_head = load_mtp_head(mtp_source, files, self.model.rotary, config.seed)
@@ -88,50 +131,73 @@ class ModelRunner:
 
     # ---- per-request state ---------------------------------------------------------------
 
-    def _generator(self, row: ScheduledRequest) -> torch.Generator | None:
-        seed = row.request.sampling_params.seed
-        if seed is None:
-            return None
-        request_id = row.request.request_id
-        if request_id not in self._generators:
-            self._generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return self._generators[request_id]
+    def _state(self, row: ScheduledRequest) -> RequestState:
+        """The request's state; a row that (re)admits a request resets it from the
+        scheduler's snapshot (the generator and reported prompt logprobs carry over)."""
+        request = row.request
+        state = self.states.get(request.request_id)
+        if row.reset_token_ids is None:
+            if state is None:
+                raise RuntimeError(f"request {request.request_id!r} has no runner state")
+            return state
+        if state is None:
+            seed = request.sampling_params.seed
+            generator = None
+            if seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+            state = RequestState([], request.num_prompt_tokens, 0, generator)
+            self.states[request.request_id] = state
+        state.token_ids = row.reset_token_ids
+        state.num_computed = row.reset_num_computed
+        state.drafts = state.draft_probs = None
+        return state
 
     # ---- one step ------------------------------------------------------------------------
 
     def _prepare(self, step: SchedulerOutput) -> StepInputs:
-        inputs = StepInputs([], [], [], [], [], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], [], [], [], [], [])
         block_size = self.block_size
         for row in step.scheduled:
-            request = row.request
-            start, end = row.start, row.end
-            offset = len(inputs.token_ids)
-            inputs.row_offsets.append(offset)
-            known_end = min(end, request.num_tokens)
-            inputs.token_ids += request.all_token_ids()[start:known_end] + row.draft_token_ids
+            state = self._state(row)
+            start = state.num_computed
+            num_known = min(row.num_new_tokens, len(state.token_ids) - start)
+            num_drafts = 0
+            if start + num_known == len(state.token_ids):
+                num_drafts = min(state.num_drafts, row.num_new_tokens - num_known)
+            plan = RowPlan(row, state, start, num_known, num_drafts, len(inputs.token_ids))
+            end = plan.end
+            if end > len(row.block_ids) * block_size:
+                raise RuntimeError(f"request {plan.request_id!r}: no KV slot for position "
+                                   f"{end - 1} ({len(row.block_ids)} blocks)")
+            inputs.plans.append(plan)
+            inputs.token_ids += state.token_ids[start : start + num_known]
+            if num_drafts:
+                inputs.draft_index += range(len(inputs.token_ids),
+                                            len(inputs.token_ids) + num_drafts)
+                inputs.drafts.append(state.drafts[:num_drafts])
+                inputs.token_ids += [0] * num_drafts
             inputs.positions += range(start, end)
             blocks = row.block_ids
             inputs.slots += [blocks[p // block_size] * block_size + p % block_size
                              for p in range(start, end)]
-            inputs.query_lens.append(row.num_new_tokens)
+            inputs.query_lens.append(end - start)
             inputs.seq_lens.append(end)
             inputs.block_tables.append(blocks)
-            # Positions before len(prompt_logprobs) were reported already (before a preemption).
-            first = max(start, len(request.prompt_logprobs))
-            prompt_end = min(end, request.num_prompt_tokens - 1)
-            if request.wants_prompt_logprobs and first < prompt_end:
-                indices = list(range(offset + first - start, offset + prompt_end - start))
-                targets = request.prompt_token_ids[first + 1 : prompt_end + 1]
-                inputs.prompt_rows.append((row, indices, targets))
-            if row.samples:
-                inputs.sample_rows.append((row, offset + known_end - 1 - start))
+            # Positions before num_prompt_logprobs were reported already (before a preemption).
+            first = max(start, state.num_prompt_logprobs)
+            prompt_end = min(end, state.num_prompt_tokens - 1)
+            if row.request.wants_prompt_logprobs and first < prompt_end:
+                indices = list(range(plan.offset + first - start, plan.offset + prompt_end - start))
+                targets = state.token_ids[first + 1 : prompt_end + 1]
+                inputs.prompt_rows.append((plan, indices, targets))
         return inputs
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. The host waits for the device once, to read the emitted tokens and
+        logprobs; the MTP drafts for the next step stay on the device."""
         for request_id in step.finished_request_ids:
-            self._generators.pop(request_id, None)
-            self._draft_probs.pop(request_id, None)
+            self.states.pop(request_id, None)
         output = ModelRunnerOutput()
         if step.is_empty:
             return output
@@ -140,85 +206,131 @@ class ModelRunner:
         input_ids = self._input_ids[:num_tokens]
         positions = self._positions[:num_tokens]
         slots = self._slots[:num_tokens]
-        input_ids.copy_(torch.tensor(inputs.token_ids), non_blocking=True)
-        positions.copy_(torch.tensor(inputs.positions), non_blocking=True)
-        slots.copy_(torch.tensor(inputs.slots), non_blocking=True)
+        copy_to(input_ids, inputs.token_ids)
+        copy_to(positions, inputs.positions)
+        copy_to(slots, inputs.slots)
+        if inputs.drafts:
+            input_ids[to_device(inputs.draft_index, torch.long, self.device)] = torch.cat(
+                inputs.drafts)
         metadata = self.backend.build_metadata(
             inputs.query_lens, inputs.seq_lens, inputs.block_tables, slots,
             self.block_size, self.device,
         )
         hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
 
+        sampling_plans = [plan for plan in inputs.plans if plan.samples]
         sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []
-        for row, index in inputs.sample_rows:
+        for plan in sampling_plans:
+            state = plan.state
             sampling_rows.append(SamplingRow(
-                row, len(logits_rows), self._generator(row),
-                self._draft_probs.pop(row.request.request_id, None),
+                len(logits_rows), plan.num_drafts, plan.row.request.sampling_params,
+                state.generator, len(state.token_ids) - state.num_prompt_tokens,
+                state.draft_probs,
             ))
-            logits_rows += range(index, index + 1 + len(row.draft_token_ids))
+            first = plan.offset + plan.num_known - 1
+            logits_rows += range(first, first + 1 + plan.num_drafts)
         num_sampling = len(logits_rows)
         logits_rows += [i for _, indices, _ in inputs.prompt_rows for i in indices]
-        emitted: dict[str, list[int]] = {}
+        reads: list[torch.Tensor] = []
+        sample = prompt_logprobs = None
         if logits_rows:
-            rows = torch.tensor(logits_rows, device=self.device)
+            rows = to_device(logits_rows, torch.long, self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             if sampling_rows:
-                tokens, logprobs = sample_step(
-                    sampling_rows, logits[:num_sampling], self.default_generator
-                )
-                for sampling_row, row_tokens, row_logprobs in zip(
-                    sampling_rows, tokens, logprobs, strict=True
-                ):
-                    request_id = sampling_row.row.request.request_id
-                    emitted[request_id] = output.sampled_token_ids[request_id] = row_tokens
-                    if row_logprobs is not None:
-                        output.logprobs[request_id] = row_logprobs
+                sample = sample_step(sampling_rows, logits[:num_sampling],
+                                     input_ids.index_select(0, rows[:num_sampling]),
+                                     self.default_generator)
+                reads += [sample.candidates, sample.num_emitted]
+                if sample.logprobs is not None:
+                    reads += sample.logprobs.tensors()
             if inputs.prompt_rows:
-                self._prompt_logprobs(inputs, logits[num_sampling:], output)
+                prompt_logprobs = self._prompt_logprobs(inputs, logits[num_sampling:])
+                reads += prompt_logprobs.tensors()
+        host = self.reader.read(reads) if reads else []
+        emitted = self._emit(sampling_plans, sampling_rows, sample, host, output)
+        if prompt_logprobs is not None:
+            self._report_prompt_logprobs(inputs, host[-4:], output)
+        for plan in inputs.plans:
+            if plan.request_id not in emitted:
+                plan.state.num_computed += plan.num_known
         if self.proposer is not None:
-            self._propose(step, inputs, hidden, emitted, output)
+            self._propose(inputs, hidden, emitted, output)
         return output
 
-    def _propose(self, step, inputs: StepInputs, hidden, emitted, output) -> None:
+    def _emit(self, plans, sampling_rows, sample, host, output) -> dict[str, list[int]]:
+        """Apply the step's tokens to the request states and the output."""
+        emitted: dict[str, list[int]] = {}
+        if sample is None:
+            return emitted
+        candidates, num_emitted = host[0], host[1]
+        logprobs = {}
+        if sample.logprobs is not None:
+            entries = LogprobsTensors.from_host(host[2:6])
+            logprobs = dict(zip(sample.logprob_rows, entries, strict=True))
+        for plan, sampling_row, count in zip(plans, sampling_rows, num_emitted, strict=True):
+            first = sampling_row.logits_start
+            tokens = candidates[first : first + count]
+            request_id = plan.request_id
+            emitted[request_id] = output.sampled_token_ids[request_id] = tokens
+            if plan.num_drafts:
+                output.num_verified_drafts[request_id] = plan.num_drafts
+            top_n = sampling_row.params.logprobs
+            if top_n is not None:
+                output.logprobs[request_id] = [
+                    (token, logprobs[first + j][0], logprobs[first + j][1],
+                     logprobs[first + j][2][:top_n])
+                    for j, token in enumerate(tokens)
+                ]
+            state = plan.state
+            state.num_computed = len(state.token_ids) + count - 1
+            state.token_ids = state.token_ids + tokens
+            state.drafts = state.draft_probs = None
+        return emitted
+
+    def _propose(self, inputs: StepInputs, hidden, emitted, output) -> None:
         """Run the MTP head over the step's kept positions and draft the next tokens."""
         k = self.config.speculative.num_speculative_tokens
         rows: list[ProposalRow] = []
         sampling = {}
-        for row, offset in zip(step.scheduled, inputs.row_offsets, strict=True):
-            request = row.request
-            request_id = request.request_id
-            known = request.all_token_ids()
+        for plan in inputs.plans:
+            request_id = plan.request_id
+            state = plan.state
             new_tokens = emitted.get(request_id, [])
             # Kept positions: the known tokens computed here plus the accepted drafts.
-            num_kept = min(row.end, request.num_tokens) - row.start + max(len(new_tokens) - 1, 0)
-            kept = list(range(row.start, row.start + num_kept))
-            following = known + new_tokens
+            num_kept = plan.num_known + max(len(new_tokens) - 1, 0)
+            kept = list(range(plan.start, plan.start + num_kept))
             num_drafts = 0
             if new_tokens:
                 # Drafts beyond the context would have no KV slot.
                 num_drafts = max(0, min(k, self.max_model_len - 1 - (kept[-1] + 1)))
-                sampling[request_id] = (request.sampling_params, self._generator(row))
+                sampling[request_id] = (plan.row.request.sampling_params, state.generator)
             rows.append(ProposalRow(
-                request_id, kept, [offset + p - row.start for p in kept],
-                [following[p + 1] for p in kept], row.block_ids, num_drafts,
+                request_id, kept, [plan.offset + p - plan.start for p in kept],
+                [state.token_ids[p + 1] for p in kept], plan.row.block_ids, num_drafts,
             ))
         proposal = self.proposer.propose(rows, hidden, sampling, self.default_generator)
-        output.draft_token_ids.update(proposal.draft_token_ids)
-        self._draft_probs.update(proposal.draft_probs)
+        for request_id, drafts in proposal.draft_token_ids.items():
+            state = self.states[request_id]
+            state.drafts = drafts
+            state.draft_probs = proposal.draft_probs.get(request_id)
+            output.num_drafts[request_id] = int(drafts.shape[0])
 
-    def _prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor, output):
+    def _prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> LogprobsTensors:
         targets = [t for _, _, row_targets in inputs.prompt_rows for t in row_targets]
-        num_top = max(row.request.sampling_params.prompt_logprobs for row, _, _ in inputs.prompt_rows)
-        target_ids = torch.tensor(targets, device=self.device)
-        logprobs = compute_logprobs(logits, target_ids, num_top).to_lists()
+        num_top = max(plan.row.request.sampling_params.prompt_logprobs
+                      for plan, _, _ in inputs.prompt_rows)
+        return compute_logprobs(logits, to_device(targets, torch.long, self.device), num_top)
+
+    def _report_prompt_logprobs(self, inputs: StepInputs, host: list[list], output) -> None:
+        entries = LogprobsTensors.from_host(host)
         offset = 0
-        for row, indices, row_targets in inputs.prompt_rows:
-            top_n = row.request.sampling_params.prompt_logprobs
-            entries = []
-            for target, (logprob, rank, top) in zip(
-                row_targets, logprobs[offset : offset + len(indices)], strict=True
-            ):
-                entries.append((target, logprob, rank, top[:top_n]))
-            output.prompt_logprobs[row.request.request_id] = entries
+        for plan, indices, row_targets in inputs.prompt_rows:
+            top_n = plan.row.request.sampling_params.prompt_logprobs
+            output.prompt_logprobs[plan.request_id] = [
+                (target, logprob, rank, top[:top_n])
+                for target, (logprob, rank, top) in zip(
+                    row_targets, entries[offset : offset + len(indices)], strict=True)
+            ]
+            plan.state.num_prompt_logprobs = plan.start + indices[-1] - plan.offset + 1
             offset += len(indices)

@@ -1,6 +1,7 @@
-"""Sampling for one step: plain rows draw one token; rows with drafts verify them (greedy
-prefix match, or rejection sampling at temperature > 0) and emit 1 to k + 1 tokens. Every
-emitted token's logprob comes from the target's raw logits at its own position."""
+"""Sampling for one step, all on the device: plain rows draw one token; rows with drafts
+verify them (greedy prefix match, or rejection sampling at temperature > 0) and emit 1 to
+k + 1 tokens. Every emitted token's logprob comes from the target's raw logits at its own
+position. Nothing is read back here; the model runner copies the results in one go."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.scheduler import ScheduledRequest
-from tandem.layers.sampler import SamplingBatch, apply_filters, compute_logprobs, sample
-from tandem.request import TokenLogprobs
-from tandem.worker.spec.verification import greedy_accept, rejection_accept
+from tandem.layers.sampler import (
+    LogprobsTensors,
+    SamplingBatch,
+    apply_filters,
+    compute_logprobs,
+    sample,
+)
+from tandem.sampling_params import SamplingParams
+from tandem.transfer import to_device
+from tandem.worker.spec.verification import rejection_verify
 
 
 @dataclass
@@ -19,18 +26,26 @@ class SamplingRow:
     """A request that samples this step; its logits rows are consecutive from
     ``logits_start``: the last known token, then one per draft."""
 
-    row: ScheduledRequest
     logits_start: int
+    num_drafts: int
+    params: SamplingParams
     generator: torch.Generator | None
-    draft_probs: torch.Tensor | None = None  # [k, V] when the drafts were sampled
+    num_output_tokens: int  # before this step (for min_tokens)
+    draft_probs: torch.Tensor | None = None  # [num_drafts, V] when the drafts were sampled
 
-    @property
-    def drafts(self) -> list[int]:
-        return self.row.draft_token_ids
 
-    @property
-    def params(self):
-        return self.row.request.sampling_params
+@dataclass
+class StepSample:
+    """Device results of one step's sampling.
+
+    ``candidates[j]`` is the token at logits row j: a row emits its first
+    ``num_emitted[i]`` candidates. Logprobs cover ``logprob_rows`` (the logits rows of the
+    requests that asked for logprobs), each for its candidate token."""
+
+    candidates: torch.Tensor  # [num logits rows] long
+    num_emitted: torch.Tensor  # [num sampling rows] long
+    logprob_rows: list[int]
+    logprobs: LogprobsTensors | None
 
 
 def _ban_end_tokens(rows: list[SamplingRow], logits: torch.Tensor) -> torch.Tensor:
@@ -38,79 +53,84 @@ def _ban_end_tokens(rows: list[SamplingRow], logits: torch.Tensor) -> torch.Tens
     banned = [
         (row.logits_start + i, token)
         for row in rows
-        for i in range(1 + len(row.drafts))
-        if row.row.request.num_output_tokens + i < row.params.min_tokens
+        for i in range(1 + row.num_drafts)
+        if row.num_output_tokens + i < row.params.min_tokens
         for token in row.params.end_token_ids()
     ]
     if not banned:
         return logits
-    index = torch.tensor(banned, device=logits.device).unbind(1)
+    index = to_device(banned, torch.long, logits.device).unbind(1)
     return logits.index_put(index, logits.new_tensor(float("-inf")))
 
 
+def _greedy_accepted(rows: list[SamplingRow], argmax: torch.Tensor,
+                     row_tokens: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts of greedy rows with drafts, all rows at once (padded to max k)."""
+    k = max(r.num_drafts for r in rows)
+    targets, drafts, valid = [], [], []
+    for row in rows:
+        last = row.logits_start + row.num_drafts
+        targets.append([min(row.logits_start + i, last) for i in range(k)])
+        drafts.append([min(row.logits_start + 1 + i, last) for i in range(k)])
+        valid.append([i < row.num_drafts for i in range(k)])
+    device = argmax.device
+    agree = argmax[to_device(targets, torch.long, device)] == row_tokens[
+        to_device(drafts, torch.long, device)]
+    agree &= to_device(valid, torch.bool, device)
+    return agree.long().cumprod(dim=1).sum(dim=1)
+
+
 def sample_step(
-    rows: list[SamplingRow], logits: torch.Tensor, default_generator: torch.Generator | None
-) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
-    """Tokens emitted per row and, for rows that want them, their logprobs."""
+    rows: list[SamplingRow],
+    logits: torch.Tensor,
+    row_tokens: torch.Tensor,
+    default_generator: torch.Generator | None,
+) -> StepSample:
+    """Sample and verify every row. ``row_tokens[j]`` is the input token at logits row j (so
+    a row's drafts are ``row_tokens[start + 1 : start + 1 + num_drafts]``)."""
     device = logits.device
     vocab = logits.shape[-1]
-    candidates = _ban_end_tokens(rows, logits)
-    emitted: list[list[int]] = [[] for _ in rows]
+    filtered = _ban_end_tokens(rows, logits)
+    candidates = filtered.argmax(dim=-1)
+    num_emitted = torch.ones(len(rows), dtype=torch.long, device=device)
 
-    plain = [i for i, r in enumerate(rows) if not r.drafts]
+    plain = [i for i, r in enumerate(rows) if not r.num_drafts and not r.params.greedy]
     if plain:
         batch = SamplingBatch.build([rows[i].params for i in plain],
                                     [rows[i].generator for i in plain], vocab, device)
-        starts = torch.tensor([rows[i].logits_start for i in plain], device=device)
-        tokens = sample(candidates.index_select(0, starts), batch, default_generator).tolist()
-        for i, token in zip(plain, tokens, strict=True):
-            emitted[i] = [token]
+        starts = to_device([rows[i].logits_start for i in plain], torch.long, device)
+        candidates.index_copy_(0, starts, sample(filtered.index_select(0, starts), batch,
+                                                 default_generator))
 
-    greedy_argmax = None
+    greedy = [i for i, r in enumerate(rows) if r.num_drafts and r.params.greedy]
+    if greedy:
+        accepted = _greedy_accepted([rows[i] for i in greedy], candidates, row_tokens)
+        num_emitted.index_copy_(0, to_device(greedy, torch.long, device), accepted + 1)
+
     for i, row in enumerate(rows):
-        if not row.drafts:
+        if not row.num_drafts or row.params.greedy:
             continue
-        span = slice(row.logits_start, row.logits_start + len(row.drafts) + 1)
-        if row.params.greedy:
-            if greedy_argmax is None:
-                greedy_argmax = candidates.argmax(dim=-1).tolist()
-            emitted[i] = greedy_accept(greedy_argmax[span], row.drafts)
-            continue
-        span_len = len(row.drafts) + 1
-        batch = SamplingBatch.build([row.params] * span_len, [None] * span_len, vocab, device)
-        target_probs = apply_filters(candidates[span], batch)
+        span = slice(row.logits_start, row.logits_start + row.num_drafts + 1)
+        length = row.num_drafts + 1
+        batch = SamplingBatch.build([row.params] * length, [None] * length, vocab, device)
+        target_probs = apply_filters(filtered[span], batch)
+        drafts = row_tokens[row.logits_start + 1 : row.logits_start + length]
         draft_probs = row.draft_probs
         if draft_probs is None:  # drafts without a distribution: q is one-hot on them
-            draft_probs = torch.nn.functional.one_hot(
-                torch.tensor(row.drafts, device=device), vocab
-            ).to(target_probs.dtype)
-        emitted[i] = rejection_accept(
-            target_probs, draft_probs[: len(row.drafts)], row.drafts,
+            draft_probs = torch.nn.functional.one_hot(drafts, vocab).to(target_probs.dtype)
+        accepted, tokens = rejection_verify(
+            target_probs, draft_probs[: row.num_drafts], drafts,
             row.generator if row.generator is not None else default_generator,
         )
-    return emitted, _logprobs(rows, logits, emitted)
+        candidates[span] = tokens
+        num_emitted[i] = accepted + 1
 
-
-def _logprobs(rows, logits, emitted) -> list[list[TokenLogprobs] | None]:
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    result: list[list[TokenLogprobs] | None] = [None] * len(rows)
-    if not wanted:
-        return result
-    positions = [rows[i].logits_start + j for i in wanted for j in range(len(emitted[i]))]
-    tokens = [t for i in wanted for t in emitted[i]]
-    num_top = max(rows[i].params.logprobs for i in wanted)
-    entries = compute_logprobs(
-        logits.index_select(0, torch.tensor(positions, device=logits.device)),
-        torch.tensor(tokens, device=logits.device), num_top,
-    ).to_lists()
-    offset = 0
-    for i in wanted:
-        top_n = rows[i].params.logprobs
-        result[i] = [
-            (token, logprob, rank, top[:top_n])
-            for token, (logprob, rank, top) in zip(
-                emitted[i], entries[offset : offset + len(emitted[i])], strict=True
-            )
-        ]
-        offset += len(emitted[i])
-    return result
+    logprob_rows = [row.logits_start + j for row in rows if row.params.logprobs is not None
+                    for j in range(1 + row.num_drafts)]
+    logprobs = None
+    if logprob_rows:
+        index = to_device(logprob_rows, torch.long, device)
+        num_top = max(r.params.logprobs for r in rows if r.params.logprobs is not None)
+        logprobs = compute_logprobs(logits.index_select(0, index),
+                                    candidates.index_select(0, index), num_top)
+    return StepSample(candidates, num_emitted, logprob_rows, logprobs)

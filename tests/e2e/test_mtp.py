@@ -82,9 +82,10 @@ class OracleProposer:
     def propose(self, rows, hidden, sampling, generator) -> Proposal:
         proposal = self.inner.propose(rows, hidden, sampling, generator)
         for row in rows:
-            drafts = proposal.draft_token_ids.get(row.request_id)
-            if not drafts:
+            drafts_tensor = proposal.draft_token_ids.get(row.request_id)
+            if drafts_tensor is None:
                 continue
+            drafts = drafts_tensor.tolist()
             prompt = self.scheduler.requests[row.request_id].prompt_token_ids
             # Drafts cover the positions after the bonus token at positions[-1] + 1.
             first_output = row.positions[-1] + 2 - len(prompt)
@@ -93,7 +94,7 @@ class OracleProposer:
             self.calls += 1
             if self.wrong_every and self.calls % self.wrong_every == 0:
                 new[-1] = (new[-1] + 1) % 49152
-            proposal.draft_token_ids[row.request_id] = new
+            proposal.draft_token_ids[row.request_id] = drafts_tensor.new_tensor(new)
         return proposal
 
 

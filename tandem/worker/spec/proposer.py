@@ -18,6 +18,7 @@ from tandem.layers.sampler import SamplingBatch, apply_filters, draw
 from tandem.models.llama import LlamaModel
 from tandem.models.mtp import MTPHead
 from tandem.sampling_params import SamplingParams
+from tandem.transfer import to_device
 
 
 @dataclass
@@ -34,9 +35,10 @@ class ProposalRow:
 
 @dataclass
 class Proposal:
-    """Drafts per request, and for sampled (non-greedy) requests the draft distributions."""
+    """Drafts per request (device tensors [num_drafts]), and for sampled (non-greedy)
+    requests the draft distributions [num_drafts, V]."""
 
-    draft_token_ids: dict[str, list[int]]
+    draft_token_ids: dict[str, torch.Tensor]
     draft_probs: dict[str, torch.Tensor]
 
 
@@ -53,16 +55,15 @@ class MTPProposer:
             position % self.block_size
         )
 
-    def _layer_pass(self, depth: int, positions, tokens, hidden, query_lens, seq_lens,
-                    block_tables, slots) -> torch.Tensor:
+    def _layer_pass(self, depth: int, positions: list[int], tokens: torch.Tensor, hidden,
+                    query_lens, seq_lens, block_tables, slots: list[int]) -> torch.Tensor:
         layer_index = self.head.layer_for_depth(depth)
         device = self.device
-        slot_tensor = torch.tensor(slots, dtype=torch.long, device=device)
-        metadata = self.backend.build_metadata(query_lens, seq_lens, block_tables, slot_tensor,
+        metadata = self.backend.build_metadata(query_lens, seq_lens, block_tables,
+                                               to_device(slots, torch.long, device),
                                                self.block_size, device)
-        embeds = self.model.embed_tokens(torch.tensor(tokens, device=device))
         return self.head.layers[layer_index](
-            torch.tensor(positions, device=device), embeds, hidden,
+            to_device(positions, torch.long, device), self.model.embed_tokens(tokens), hidden,
             self.kv_caches[layer_index], metadata, self.backend,
         )
 
@@ -74,15 +75,17 @@ class MTPProposer:
         default_generator: torch.Generator | None,
     ) -> Proposal:
         """``sampling`` maps each drafting request to its params and generator; greedy
-        requests draft by argmax, the others sample from the filtered draft distribution q."""
+        requests draft by argmax, the others sample from the filtered draft distribution q.
+        The drafts stay on the device (the next step reads them there)."""
         rows = [r for r in rows if r.positions]
         proposal = Proposal({}, {})
         if not rows:
             return proposal
+        device = self.device
         positions = [p for r in rows for p in r.positions]
-        hidden_rows = torch.tensor([i for r in rows for i in r.hidden_rows], device=self.device)
+        hidden_rows = to_device([i for r in rows for i in r.hidden_rows], torch.long, device)
         hidden = self._layer_pass(
-            0, positions, [t for r in rows for t in r.next_tokens],
+            0, positions, to_device([t for r in rows for t in r.next_tokens], torch.long, device),
             target_hidden.index_select(0, hidden_rows),
             [len(r.positions) for r in rows], [r.positions[-1] + 1 for r in rows],
             [r.block_ids for r in rows],
@@ -91,23 +94,27 @@ class MTPProposer:
         drafting = [(i, r) for i, r in enumerate(rows) if r.num_drafts > 0]
         if not drafting:
             return proposal
-        ends = torch.tensor([len(r.positions) for r in rows], device=self.device).cumsum(0) - 1
-        hidden = hidden.index_select(0, ends[[i for i, _ in drafting]])
+        ends, total = [], 0
+        for r in rows:
+            total += len(r.positions)
+            ends.append(total - 1)
+        hidden = hidden.index_select(
+            0, to_device([ends[i] for i, _ in drafting], torch.long, device))
         drafting_rows = [r for _, r in drafting]
         batch = SamplingBatch.build(
             [sampling[r.request_id][0] for r in drafting_rows],
             [sampling[r.request_id][1] for r in drafting_rows],
-            self.model.arch.vocab_size, self.device,
+            self.model.arch.vocab_size, device,
         )
         max_depth = max(r.num_drafts for r in drafting_rows)
-        drafts: list[list[int]] = [[] for _ in drafting_rows]
+        tokens_per_depth: list[torch.Tensor] = []
         probs_per_depth: list[torch.Tensor | None] = []
         for depth in range(max_depth):
             if depth > 0:
                 hidden = self._layer_pass(
                     depth,
                     [r.positions[-1] + depth for r in drafting_rows],
-                    [d[-1] for d in drafts],
+                    tokens_per_depth[-1],
                     hidden,
                     [1] * len(drafting_rows),
                     [r.positions[-1] + depth + 1 for r in drafting_rows],
@@ -122,13 +129,14 @@ class MTPProposer:
                 probs = apply_filters(logits, batch)
                 sampled = draw(probs, batch.generators, default_generator)
                 tokens = torch.where(batch.greedy, tokens, sampled)
+            tokens_per_depth.append(tokens)
             probs_per_depth.append(probs)
-            for draft, token in zip(drafts, tokens.tolist(), strict=True):
-                draft.append(token)
-        for index, (row, draft) in enumerate(zip(drafting_rows, drafts, strict=True)):
-            proposal.draft_token_ids[row.request_id] = draft[: row.num_drafts]
-            if not bool(batch.greedy[index]):
+        drafts = torch.stack(tokens_per_depth, dim=1)  # [rows, max_depth]
+        for index, row in enumerate(drafting_rows):
+            proposal.draft_token_ids[row.request_id] = drafts[index, : row.num_drafts]
+            if not sampling[row.request_id][0].greedy:
                 proposal.draft_probs[row.request_id] = torch.stack(
                     [p[index] for p in probs_per_depth[: row.num_drafts]]
                 )
         return proposal
+

@@ -1,0 +1,161 @@
+"""``tandem bench decode``: the busy-fraction arithmetic, the mode parsing, the profiler
+event filter, and a small CPU run on the ``tiny`` dummy model."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch.profiler
+from torch.autograd import DeviceType
+
+from tandem.bench import decode
+from tandem.bench.decode import (
+    busy_fraction,
+    device_intervals,
+    mode_name,
+    parse_modes,
+    run_decode_bench,
+)
+from tandem.cli import build_parser
+from tandem.tokenizer import Tokenizer
+
+
+def test_busy_fraction_overlapping_intervals_count_once():
+    # [0, 4) u [2, 6) u [5, 7) = [0, 7): 7 of 10.
+    assert busy_fraction([(2, 6), (0, 4), (5, 7)], (0, 10)) == pytest.approx(0.7)
+
+
+def test_busy_fraction_disjoint_intervals_add_up():
+    # 2 + 1 + 3 = 6 of 20, given out of order.
+    assert busy_fraction([(10, 11), (0, 2), (15, 18)], (0, 20)) == pytest.approx(0.3)
+
+
+def test_busy_fraction_clips_to_the_window():
+    # [-5, 3) -> [0, 3); [8, 15) -> [8, 10); [20, 30) lies outside: 5 of 10.
+    assert busy_fraction([(-5, 3), (8, 15), (20, 30)], (0, 10)) == pytest.approx(0.5)
+    # One interval covering the whole window and more.
+    assert busy_fraction([(-1, 11)], (0, 10)) == pytest.approx(1.0)
+    # Touching intervals [0, 5) and [5, 10) fill it exactly.
+    assert busy_fraction([(5, 10), (0, 5)], (0, 10)) == pytest.approx(1.0)
+
+
+def test_busy_fraction_empty_and_degenerate():
+    assert busy_fraction([], (0, 10)) == 0.0
+    assert busy_fraction([(3, 3), (6, 4)], (0, 10)) == 0.0  # empty and reversed intervals
+    assert busy_fraction([(0, 1)], (5, 5)) == 0.0  # zero-length window
+
+
+def test_parse_modes_round_trips_names():
+    names = ["plain", "overlap", "mtp", "mtp+overlap"]
+    modes = parse_modes(",".join(names))
+    assert modes == [{"overlap": False, "mtp": False}, {"overlap": True, "mtp": False},
+                     {"overlap": False, "mtp": True}, {"overlap": True, "mtp": True}]
+    assert [mode_name(m) for m in modes] == names
+    with pytest.raises(ValueError, match="unknown mode"):
+        parse_modes("plain,turbo")
+
+
+class _FakeKinetoEvent:
+    def __init__(self, name, device_type, activity, start_ns, end_ns, annotation=False):
+        self._v = (name, device_type, activity, start_ns, end_ns, annotation)
+
+    def name(self):
+        return self._v[0]
+
+    def device_type(self):
+        return self._v[1]
+
+    def activity_type(self):
+        return self._v[2]
+
+    def start_ns(self):
+        return self._v[3]
+
+    def end_ns(self):
+        return self._v[4]
+
+    def is_user_annotation(self):
+        return self._v[5]
+
+
+def test_device_intervals_keeps_kernels_memcpys_and_memsets_only():
+    base = 1_795_953_165_979_151_403  # absolute ns, as Kineto gives them
+    events = [
+        _FakeKinetoEvent("aten::mm", DeviceType.CPU, "cpu_op", base, base + 9000),
+        _FakeKinetoEvent("gemm", DeviceType.CUDA, "kernel", base + 1000, base + 3000),
+        _FakeKinetoEvent("Memcpy HtoD", DeviceType.CUDA, "gpu_memcpy", base + 4000, base + 4500),
+        _FakeKinetoEvent("Memset", DeviceType.CUDA, "gpu_memset", base + 5000, base + 5001),
+        _FakeKinetoEvent("step", DeviceType.CUDA, "gpu_user_annotation", base, base + 9000,
+                         annotation=True),
+        _FakeKinetoEvent("[memory]", DeviceType.CUDA, "cpu_instant_event", base, base + 10),
+    ]
+    results = SimpleNamespace(events=lambda: events)
+    prof = SimpleNamespace(profiler=SimpleNamespace(kineto_results=results))
+    intervals, counts = device_intervals(prof)
+    assert intervals == [(0.0, 2.0), (3.0, 3.5), (4.0, 4.001)]  # microseconds from the first
+    assert counts == {"kernel": 1, "gpu_memcpy": 1, "gpu_memset": 1}
+
+
+class _FakeProfile:
+    """Stands in for ``torch.profiler.profile``; replays the given Kineto events."""
+
+    def __init__(self, events):
+        results = SimpleNamespace(events=lambda: events)
+        self.profiler = SimpleNamespace(kineto_results=results)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_profiled_generate_idle_fraction(monkeypatch):
+    # Kernels busy [0, 3) and [5, 10) us of a 10 us window: idle 20%.
+    events = [_FakeKinetoEvent("k1", DeviceType.CUDA, "kernel", 0, 2000),
+              _FakeKinetoEvent("k2", DeviceType.CUDA, "kernel", 1000, 3000),
+              _FakeKinetoEvent("k3", DeviceType.CUDA, "gpu_memcpy", 5000, 10000)]
+    monkeypatch.setattr(torch.profiler, "profile", lambda activities: _FakeProfile(events))
+    llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm: [])
+    result = decode._profiled_generate(llm, [], None, "cpu")
+    assert result["gpu_idle_fraction"] == pytest.approx(0.2)
+    assert result["profile_window_s"] == pytest.approx(1e-5)
+    assert result["profile_device_events"] == 3 and result["profile_wall_s"] >= 0
+    assert "profiler_note" not in result
+
+    monkeypatch.setattr(torch.profiler, "profile", lambda activities: _FakeProfile([]))
+    result = decode._profiled_generate(llm, [], None, "cpu")
+    assert result["gpu_idle_fraction"] is None and "no CUDA" in result["profiler_note"]
+
+
+def test_cli_registers_bench_decode():
+    args = build_parser().parse_args(["bench", "decode", "--model", "dummy:tiny",
+                                      "--modes", "plain,mtp+overlap"])
+    assert args.batch_sizes == "1,8,64" and args.max_tokens == 256
+    assert args.handler.__module__ == "tandem.bench.decode"
+
+
+def test_run_decode_bench_on_cpu(tmp_path, capsys, monkeypatch):
+    # Each mode builds its own engine; load the (borrowed) tokenizer once, not per engine.
+    loaded: dict[str, Tokenizer] = {}
+    load = Tokenizer.from_model_path
+    monkeypatch.setattr(Tokenizer, "from_model_path",
+                        staticmethod(lambda path: loaded.get(path) or loaded.setdefault(
+                            path, load(path))))
+    results = run_decode_bench(
+        "dummy:tiny", [1, 2], 4, parse_modes("plain,overlap"), "cpu", None, str(tmp_path)
+    )
+    runs = results["runs"]
+    assert [(r["mode"], r["batch_size"]) for r in runs] == [
+        ("plain", 1), ("plain", 2), ("overlap", 1), ("overlap", 2)]
+    for run in runs:
+        assert run["output_tokens"] == run["batch_size"] * 4
+        assert run["tokens_per_s"] > 0
+        assert run["gpu_idle_fraction"] is None
+        assert run["max_tokens"] == 4
+    with open(results["output_path"]) as f:
+        assert json.load(f)["runs"] == runs
+    assert results["output_path"].startswith(str(tmp_path / "decode-cpu-"))
+    assert len([line for line in capsys.readouterr().out.splitlines() if "tok/s" in line]) == 4
