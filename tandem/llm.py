@@ -157,6 +157,11 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
+        if not self.engine.scheduler.has_unfinished_requests():
+            # Overlap scheduling leaves the finished requests' last step in flight: settle it
+            # so the engine is idle (and the runner has dropped their state) on return.
+            self.engine.drain()
+            self.engine.step()
         return [finished[request_id] for request_id in order]
 
     def chat(

@@ -122,12 +122,11 @@ class EngineCore:
                     self.runner.execute(step)  # drop per-request state of finished requests
                 return []
             return self._apply(step, self.runner.execute(step))
-        future = None
-        if not step.is_empty or step.finished_request_ids:
-            future = self._worker.submit(self.runner.execute, step)
         previous, self._in_flight = self._in_flight, None
-        if future is not None and not step.is_empty:
-            self._in_flight = (step, future)
+        if not step.is_empty:
+            self._in_flight = (step, self._worker.submit(self.runner.execute, step))
+        elif step.finished_request_ids:  # only drops finished requests' state: no device work
+            self._worker.submit(self.runner.execute, step).result()
         if previous is None:
             return []
         return self._apply(previous[0], previous[1].result())
@@ -142,12 +141,17 @@ class EngineCore:
                 self.counters["num_requests_finished"] += 1
         return updates
 
+    def drain(self) -> list[RequestUpdate]:
+        """Wait for the step in flight, if any, and apply it (updates for its live rows)."""
+        if self._in_flight is None:
+            return []
+        (step, future), self._in_flight = self._in_flight, None
+        return self._apply(step, future.result())
+
     def shutdown(self) -> None:
         """Finish the step in flight and stop the runner's thread."""
         if self._worker is not None:
-            if self._in_flight is not None:
-                self._in_flight[1].result()
-                self._in_flight = None
+            self.drain()
             self._worker.shutdown(wait=True)
 
     def metrics(self) -> dict[str, float]:
