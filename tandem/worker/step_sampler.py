@@ -60,7 +60,8 @@ def _ban_end_tokens(rows: list[SamplingRow], logits: torch.Tensor) -> torch.Tens
     if not banned:
         return logits
     index = to_device(banned, torch.long, logits.device).unbind(1)
-    return logits.index_put(index, logits.new_tensor(float("-inf")))
+    return logits.index_put(index, torch.full((), float("-inf"), device=logits.device,
+                                              dtype=logits.dtype))
 
 
 def _greedy_accepted(rows: list[SamplingRow], argmax: torch.Tensor,
@@ -117,7 +118,8 @@ def sample_step(
         drafts = row_tokens[row.logits_start + 1 : row.logits_start + length]
         draft_probs = row.draft_probs
         if draft_probs is None:  # drafts without a distribution: q is one-hot on them
-            draft_probs = torch.nn.functional.one_hot(drafts, vocab).to(target_probs.dtype)
+            draft_probs = target_probs.new_zeros((row.num_drafts, vocab)).scatter_(
+                1, drafts[:, None], 1.0)
         accepted, tokens = rejection_verify(
             target_probs, draft_probs[: row.num_drafts], drafts,
             row.generator if row.generator is not None else default_generator,

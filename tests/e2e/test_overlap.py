@@ -6,6 +6,7 @@ never freed twice, and the host waits for the device at most once per step."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 
@@ -222,13 +223,17 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
 
 
 @pytest.mark.gpu
-def test_no_hidden_synchronization_on_cuda(prompts):
+def test_no_hidden_synchronization_on_cuda():
     """On the GPU, torch's sync debug mode turns any implicit synchronization (a blocking
     copy, .item(), a data-dependent shape) into an error; only the DeviceReader's explicit
-    stream wait remains."""
+    stream wait remains. TANDEM_MODEL names the model file where the default package is
+    not installed."""
     from tandem import LLM
 
-    llm = LLM(device="cuda", overlap=True, speculative="mtp", num_speculative_tokens=3)
+    llm = LLM(model=os.environ.get("TANDEM_MODEL"), device="cuda", overlap=True,
+              speculative="mtp", num_speculative_tokens=3)
+    prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": q["turns"][0]}])} for q in load_mtbench()[:16]]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=16,
                              logprobs=2) for i in range(16)]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: allocations, pinning
@@ -248,3 +253,21 @@ def test_no_hidden_synchronization_on_cuda(prompts):
     finally:
         del runner.execute
         llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_overlap_is_identical_on_cuda():
+    """fp32 on the GPU: greedy tokens and logprobs with overlap on and off, plain and MTP."""
+    from tandem import LLM
+
+    model = os.environ.get("TANDEM_MODEL")
+    params = PARAMS["greedy"]()
+    for engine in ({}, {"speculative": "mtp", "num_speculative_tokens": 3}):
+        results = []
+        for overlap in (False, True):
+            llm = LLM(model=model, device="cuda", dtype="float32", overlap=overlap, **engine)
+            prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": q["turns"][0]}])} for q in load_mtbench()[:16]]
+            results.append(_outputs(llm, prompts, params))
+            llm.engine.shutdown()
+        assert_same(results[1], results[0])
