@@ -73,9 +73,11 @@ class OracleProposer:
     """Wraps the real proposer (which still fills the MTP KV cache) and replaces its drafts
     by the true greedy continuation, with one wrong token every ``wrong_every`` proposals."""
 
-    def __init__(self, inner, scheduler, continuations: dict[tuple[int, ...], list[int]],
+    def __init__(self, inner, runner, continuations: dict[tuple[int, ...], list[int]],
                  wrong_every: int):
-        self.inner, self.scheduler, self.continuations = inner, scheduler, continuations
+        # The runner's own request states: with overlap it may draft for a request that the
+        # scheduler has just finished.
+        self.inner, self.runner, self.continuations = inner, runner, continuations
         self.wrong_every = wrong_every
         self.calls = 0
 
@@ -86,7 +88,8 @@ class OracleProposer:
             if drafts_tensor is None:
                 continue
             drafts = drafts_tensor.tolist()
-            prompt = self.scheduler.requests[row.request_id].prompt_token_ids
+            state = self.runner.states[row.request_id]
+            prompt = state.token_ids[: state.num_prompt_tokens]
             # Drafts cover the positions after the bonus token at positions[-1] + 1.
             first_output = row.positions[-1] + 2 - len(prompt)
             truth = self.continuations[tuple(prompt)][first_output : first_output + len(drafts)]
@@ -104,7 +107,7 @@ def _run_with_oracle(llm, prompts, baseline, params, wrong_every):
     continuations = {tuple(p["prompt_token_ids"]): list(b.token_ids)
                      for p, b in zip(prompts, baseline, strict=True)}
     original = runner.proposer
-    runner.proposer = OracleProposer(original, llm.engine.scheduler, continuations, wrong_every)
+    runner.proposer = OracleProposer(original, runner, continuations, wrong_every)
     try:
         return llm.generate(prompts, params)
     finally:
