@@ -3,6 +3,8 @@ after every test (DESIGN.md invariant 4: when every request has ended, every KV 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 
@@ -18,10 +20,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# Engines kept alive at once: each holds its own fp32 weights and KV cache (over 1 GiB), and
+# CI has 24 GiB; tests that share a configuration run next to each other.
+MAX_CACHED_ENGINES = 4
+
+
 @pytest.fixture(scope="session")
 def llm_cache():
-    """Engines by configuration, so each distinct engine loads once per session."""
-    return {}
+    """Engines by configuration, so each distinct engine loads once per session (the least
+    recently used beyond MAX_CACHED_ENGINES are shut down)."""
+    return OrderedDict()
 
 
 @pytest.fixture
@@ -33,7 +41,11 @@ def make_llm(llm_cache, request):
     def factory(**kwargs) -> LLM:
         key = tuple(sorted(kwargs.items()))
         if key not in llm_cache:
+            while len(llm_cache) >= MAX_CACHED_ENGINES:
+                _, evicted = llm_cache.popitem(last=False)
+                evicted.engine.shutdown()
             llm_cache[key] = LLM(**kwargs)
+        llm_cache.move_to_end(key)
         used.append(llm_cache[key])
         return llm_cache[key]
 

@@ -1,0 +1,268 @@
+"""Paged attention as one Triton kernel over a ragged batch.
+
+One launch covers every request of a step, whatever its kind: a prefill or a chunk of one
+(many query rows), a decode row (one) or a verification row (k + 1). Request b owns the
+flat query rows ``query_start_loc[b]:query_start_loc[b+1]``, the last ``query_len`` of its
+``seq_lens[b]`` positions; its query row j sits at position ``seq_lens[b] - query_len + j``
+and attends causally to keys at positions up to and including its own. Keys and values
+live in per-layer paged caches of shape [num_blocks, block_size, H_kv, D]; the block
+table maps a request's logical block i to a physical block.
+
+Design
+------
+Grid ``(T // BLOCK_Q + B, H_kv)``, from sizes alone (no host value is read at launch).
+
+* Axis 1 is the KV head. A program handles the whole GQA group of that head: its query
+  tile has ``BLOCK_M`` rows, row m being query row ``m // GROUP`` of the tile and query
+  head ``kv_head * GROUP + m % GROUP``. The group thus shares every K/V tile it loads, and
+  the tile is tall enough for tensor-core dots even for a decode row (``BLOCK_M >= 16``).
+  ``BLOCK_Q = BLOCK_M // GROUP`` query rows per tile; rows past ``BLOCK_Q * GROUP`` (when
+  GROUP is not a power of two) are masked.
+* Axis 0 numbers query tiles. Request b's query rows are cut into ``cdiv(query_len,
+  BLOCK_Q)`` tiles and its first tile is numbered ``query_start_loc[b] // BLOCK_Q + b``.
+  That start is increasing in b and leaves room for all of b's tiles, so
+  ``T // BLOCK_Q + B`` tiles bound the total; a program finds its request by a binary
+  search over ``query_start_loc`` on the device and returns at once when its tile lies
+  past its request's rows (the few spare programs of the bound).
+* Each program loops over its request's keys in tiles of ``BLOCK_N`` positions, from 0 to
+  the position of its last query row (so causally hidden tiles are never loaded). Each
+  key's physical slot is looked up through the block table (block ``pos // block_size``,
+  slot ``pos % block_size``), so tiles may span blocks and the block size need not be a
+  power of two. Scores and the online softmax (running max, sum and output) are fp32,
+  with the scale folded into ``exp2``; masking is one ``where`` per tile: key inside the
+  request and key position <= query position. Key 0 is visible to every row, so every
+  row's running max is finite after the first tile and no row divides by zero.
+* ``BLOCK_M`` is 16 when ``max_query_len * GROUP <= 16`` (decode and short verification
+  batches) and 64 otherwise: a host-side choice from an upper bound, as allowed.
+
+Not done yet: splitting a long context over several programs (flash-decoding); at a small
+batch with long contexts this grid has only ``B * H_kv`` busy programs.
+
+Triton is imported under a guard, so this module (and tandem) imports without it; only
+calling :func:`paged_attention` needs it. On a machine without a GPU, set
+``TRITON_INTERPRET=1`` before this module is imported to run the kernel in Triton's
+interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.layers.attention import AttentionBackend, AttentionMetadata, store_kv
+from tandem.transfer import to_device
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # tandem imports without triton; paged_attention then raises
+    triton = None
+    tl = None
+
+_LOG2_E = 1.4426950408889634
+
+if triton is not None:
+
+    @triton.jit
+    def _find_request(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+        """The request whose query tiles include ``tile`` (request b's first tile is
+        ``query_start_loc[b] // BLOCK_Q + b``): binary search for the last start <= tile."""
+        lo: tl.int32 = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if start <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        scale_log2, num_seqs,
+        stride_qt, stride_qh, stride_qd,
+        stride_ot, stride_oh, stride_od,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        GROUP: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request."""
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = _find_request(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        tile_in_seq = tile - (q_start // BLOCK_Q + seq)
+        if tile_in_seq * BLOCK_Q >= q_len:
+            return
+        context = tl.load(seq_lens_ptr + seq) - q_len  # positions before the first query row
+
+        offs_m = tl.arange(0, BLOCK_M)
+        q_row = tile_in_seq * BLOCK_Q + offs_m // GROUP  # query row within the request
+        head = kv_head * GROUP + offs_m % GROUP
+        row_ok = (offs_m < BLOCK_Q * GROUP) & (q_row < q_len)
+        query_pos = context + q_row
+        token = (q_start + q_row).to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+
+        q = tl.load(
+            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+            + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+        # Keys [0, kv_end) reach the tile's last query row; later ones are causally hidden.
+        kv_end = context + tl.minimum((tile_in_seq + 1) * BLOCK_Q, q_len)
+        offs_n = tl.arange(0, BLOCK_N)
+        table_row = block_tables_ptr + seq * stride_bt
+        for start_n in range(0, kv_end, BLOCK_N):
+            key_pos = start_n + offs_n
+            key_ok = key_pos < kv_end
+            block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            slot = key_pos % BLOCK_SIZE
+            k = tl.load(
+                k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
+                + kv_head * stride_kh + offs_d[:, None] * stride_kd,
+                mask=key_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+            visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing visible yet
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+                mask=key_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the ragged query rows ``q`` [T, H_q, D] over the paged cache.
+
+    ``k_cache``/``v_cache`` are [num_blocks, block_size, H_kv, D] (H_q a multiple of H_kv);
+    ``block_tables`` [B, max_blocks], ``query_start_loc`` [B + 1] and ``seq_lens`` [B] are
+    integer tensors on q's device; ``max_query_len`` is any upper bound on the query
+    lengths (it only picks the tile shape). Returns [T, H_q, D] in q's dtype (fp32, bf16 or
+    fp16; accumulation is fp32). Reads no device value on the host, so it never waits.
+    """
+    if triton is None:
+        raise RuntimeError("paged_attention needs triton (pip install triton)")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shape {tuple(k_cache.shape)} does not fit q {tuple(q.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads}")
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m = 16 if max_query_len * group <= 16 else 64
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache,
+        block_tables, query_start_loc, seq_lens,
+        scale * _LOG2_E, num_seqs,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=64,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    """AttentionMetadata plus the device copies the kernel reads (int32)."""
+
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] block ids, padded with 0
+    query_start_loc_device: torch.Tensor | None = None  # [B + 1]
+    seq_lens_device: torch.Tensor | None = None  # [B]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention by one Triton kernel launch per layer (see the module docstring)."""
+
+    def build_metadata(self, query_lens, seq_lens, block_tables, slot_mapping, block_size,
+                       device) -> TritonAttentionMetadata:
+        """Host lists to device tensors, copied once per step without a wait."""
+        query_start = [0]
+        for length in query_lens:
+            query_start.append(query_start[-1] + length)
+        max_blocks = -(-max(seq_lens) // block_size)
+        table = [list(row[:max_blocks]) + [0] * (max_blocks - len(row[:max_blocks]))
+                 for row in block_tables]
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.tensor(query_start, dtype=torch.long),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_tables=to_device(table, torch.int32, device),
+            query_start_loc_device=to_device(query_start, torch.int32, device),
+            seq_lens_device=to_device(seq_lens, torch.int32, device),
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale):
+        """Store k, v into the cache, then run the kernel over the whole ragged batch."""
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return paged_attention(
+            q, k_cache, v_cache,
+            metadata.block_tables,
+            metadata.query_start_loc_device,
+            metadata.seq_lens_device,
+            metadata.max_query_len,
+            scale,
+        )
