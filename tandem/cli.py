@@ -23,6 +23,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MTP head directory (from tandem train-mtp) or 'dummy'")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run scheduling and the model in turn (overlap is on by default)")
+    parser.add_argument("--attention-backend", choices=["torch", "triton"], default="torch",
+                        help="paged attention: the torch reference or the Triton kernel")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,6 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_model": args.speculative_model,
         "overlap": not args.no_overlap,
+        "attention_backend": args.attention_backend,
     }
 
 
@@ -77,6 +80,7 @@ def engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         seed=args.seed,
         overlap=not args.no_overlap,
+        attention_backend=args.attention_backend,
         cache=CacheConfig(
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             enable_prefix_caching=not args.no_prefix_caching,

@@ -71,9 +71,16 @@ class EngineConfig:
     dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA
     seed: int = 0
     overlap: bool = True
+    # "torch" (the reference) or "triton" (one paged-attention kernel launch per layer).
+    attention_backend: str = "torch"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
 
     def resolved_dtype_name(self) -> str:
         """The compute dtype's name: float32 on the CPU unless set, bfloat16 on CUDA."""

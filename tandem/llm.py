@@ -35,6 +35,7 @@ class LLM:
         num_speculative_tokens: int = 3,
         speculative_model: str | None = None,
         overlap: bool = True,
+        attention_backend: str = "torch",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
@@ -51,6 +52,7 @@ class LLM:
             dtype=dtype,
             seed=seed,
             overlap=overlap,
+            attention_backend=attention_backend,
             cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
             speculative=SpeculativeConfig(

@@ -12,7 +12,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tandem.layers.attention import TorchAttentionBackend
+from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.sampler import LogprobsTensors, compute_logprobs
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
@@ -80,6 +80,14 @@ class StepInputs:
     prompt_rows: list[tuple[RowPlan, list[int], list[int]]]
 
 
+def _attention_backend(name: str) -> AttentionBackend:
+    if name == "triton":
+        from tandem.layers.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
 def kv_cache_bytes_per_block(arch, block_size: int, dtype: torch.dtype,
                              num_extra_layers: int = 0) -> int:
     """Bytes that one KV block takes over all layers (keys and values), MTP layers too."""
@@ -107,7 +115,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = load_model(files, max_model_len, self.dtype, self.device, config.seed)
         self.arch = self.model.arch
-        self.backend = TorchAttentionBackend()
+        self.backend = _attention_backend(config.attention_backend)
         cache_shape = (2, num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
             torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
