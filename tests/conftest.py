@@ -3,7 +3,14 @@ after every test (DESIGN.md invariant 4: when every request has ended, every KV 
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections import OrderedDict
+
+# Without a GPU, Triton kernels can only run in Triton's interpreter: switch it on before
+# anything (torch included) imports triton, so every test sees the same mode.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -192,9 +192,8 @@ def test_hf_greedy_generate_empty_eos_list_means_no_end_token():
 # ---- dummy presets -------------------------------------------------------------------------
 
 
-def test_dummy_tiny_loads_and_generates(make_llm, dummy_llm):
+def test_dummy_tiny_loads_and_generates(make_llm):
     llm = make_llm(**DUMMY_KWARGS)
-    assert llm is dummy_llm
     assert llm.model_path == "dummy:tiny" and llm.engine.arch.vocab_size == 512
     # A dummy model borrows the default model's tokenizer.
     assert llm.tokenizer.vocab_size == VOCAB
