@@ -290,6 +290,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: Tandem's)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--skip-hf", action="store_true", help="measure Tandem only")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="run Tandem without overlap scheduling")
 
 
 def main_from_args(args: argparse.Namespace) -> int:
@@ -301,6 +303,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         llm_kwargs["dtype"] = args.dtype
     if args.max_num_seqs is not None:
         llm_kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.no_overlap:
+        llm_kwargs["overlap"] = False
     run_throughput(
         model=args.model,
         dataset=args.dataset,
