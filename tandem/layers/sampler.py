@@ -140,10 +140,6 @@ class LogprobsTensors:
             for i in range(len(ranks))
         ]
 
-    def to_lists(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
-        """Host lists (reads the device: for tests and tools, not the step loop)."""
-        return self.from_host([t.tolist() for t in self.tensors()])
-
 
 def compute_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int

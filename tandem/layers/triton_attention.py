@@ -50,7 +50,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.layers.attention import AttentionBackend, AttentionMetadata, store_kv
+from tandem.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    query_start_locations,
+    store_kv,
+)
 from tandem.transfer import to_device
 
 try:
@@ -238,9 +243,7 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(self, query_lens, seq_lens, block_tables, slot_mapping, block_size,
                        device) -> TritonAttentionMetadata:
         """Host lists to device tensors, copied once per step without a wait."""
-        query_start = [0]
-        for length in query_lens:
-            query_start.append(query_start[-1] + length)
+        query_start = query_start_locations(query_lens)
         max_blocks = -(-max(seq_lens) // block_size)
         table = [list(row[:max_blocks]) + [0] * (max_blocks - len(row[:max_blocks]))
                  for row in block_tables]

@@ -183,12 +183,23 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
     runner = llm.engine.runner
     stray: Counter = Counter()
     worker_threads: set[int] = set()
+    inside_reader = threading.Event()
+    read = runner.reader.read
+
+    def marked_read(tensors):
+        inside_reader.set()
+        try:
+            return read(tensors)
+        finally:
+            inside_reader.clear()
+
+    monkeypatch.setattr(runner.reader, "read", marked_read)
 
     def counting(name):
         original = getattr(torch.Tensor, name)
 
         def wrapper(self, *args, **kwargs):
-            if not runner.reader.reading:
+            if not inside_reader.is_set():
                 stray[name] += 1
             return original(self, *args, **kwargs)
 
@@ -199,12 +210,12 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
     def execute_counted(step):
         worker_threads.add(threading.get_ident())
         before = runner.reader.num_waits
-        for name in HOST_READS:
-            monkeypatch.setattr(torch.Tensor, name, counting(name))
         try:
-            return execute(step)
+            with pytest.MonkeyPatch.context() as patch:
+                for name in HOST_READS:
+                    patch.setattr(torch.Tensor, name, counting(name))
+                return execute(step)
         finally:
-            monkeypatch.undo()
             waits.append(runner.reader.num_waits - before)
 
     waits: list[int] = []

@@ -15,13 +15,32 @@ import pytest
 import torch
 
 from tandem.worker.spec import verification
-from tandem.worker.spec.verification import greedy_accept, rejection_accept, sample_from
+from tandem.worker.spec.verification import exact_draw, greedy_verify, rejection_verify
 
 V = 8
 TRIALS = 20_000
 
 # Chi-square critical values at significance 0.001, by degrees of freedom (standard table).
 CHI2_CRITICAL_0001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int]:
+    """The tokens :func:`greedy_verify` emits, as a host list."""
+    target = torch.tensor(target_tokens, dtype=torch.long)
+    accepted = greedy_verify(target, torch.tensor(draft_tokens, dtype=torch.long))
+    return target_tokens[: int(accepted) + 1]
+
+
+def rejection_accept(p, q, drafts: list[int], generator) -> list[int]:
+    """The tokens :func:`rejection_verify` emits for one request, as a host list."""
+    accepted, candidates = rejection_verify(p, q, torch.tensor(drafts, dtype=torch.long),
+                                            generator)
+    return candidates[: int(accepted) + 1].tolist()
+
+
+def sample_from(probs: torch.Tensor, generator) -> int:
+    """One :func:`exact_draw` from a single distribution."""
+    return int(exact_draw(probs[None], generator)[0])
 
 
 def dist(values: list[float]) -> torch.Tensor:

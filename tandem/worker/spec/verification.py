@@ -54,27 +54,3 @@ def rejection_verify(
     positions = torch.arange(k + 1, device=target_probs.device)
     candidates = torch.where(positions < accepted, torch.cat([draft_tokens, draws[k:]]), draws)
     return accepted, candidates
-
-
-def rejection_accept(
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    draft_tokens: list[int],
-    generator: torch.Generator | None,
-) -> list[int]:
-    """Host-side convenience over :func:`rejection_verify`: the tokens to emit."""
-    drafts = torch.tensor(draft_tokens, dtype=torch.long, device=target_probs.device)
-    accepted, candidates = rejection_verify(target_probs, draft_probs, drafts, generator)
-    return candidates[: int(accepted) + 1].tolist()
-
-
-def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int]:
-    """Host-side convenience over :func:`greedy_verify`: the tokens to emit."""
-    target = torch.tensor(target_tokens, dtype=torch.long)
-    accepted = greedy_verify(target, torch.tensor(draft_tokens, dtype=torch.long))
-    return target_tokens[: int(accepted) + 1]
-
-
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One exact draw from one (not necessarily normalized) distribution over the vocab."""
-    return int(exact_draw(probs[None], generator)[0])
