@@ -3,7 +3,9 @@ the head's acceptance on the 80 MT-Bench questions (k=3, greedy, all in one batc
 
 Usage: gpu_mtp.py MODEL.gguf DATA.pt OUT_DIR TIME_BUDGET_S [gen|train|accept|speed|all]
 The self-generated sequences are saved to OUT_DIR/self_generated.pt (`gen` stops there);
-GENERATED=that file skips the generation in a later call. `speed` is `tandem bench spec`'s run at
+GENERATED=that file skips the generation in a later call; INIT_HEAD=DIR continues training
+that head; SELF_REPEAT=N repeats the self-generated replies N times in the training set (they
+are closest to what the head drafts for when serving). `speed` is `tandem bench spec`'s run at
 batch 1 and 16 (with the non-speculative baseline)."""
 
 import json
@@ -54,18 +56,24 @@ if stage in ("all", "gen", "train"):
         print(json.dumps(report["self_generation"]), flush=True)
 
 if stage in ("all", "train"):
+    repeat = int(os.environ.get("SELF_REPEAT", "1"))
     sequences = data["sequences"] + generated
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(0)).tolist()
     sequences = [sequences[i] for i in order]
     held_out = len(sequences) // 20
-    train, held = pack_sequences(sequences[held_out:], 256), pack_sequences(sequences[:held_out], 256)
+    # Repeats are added after the held-out split, so no held-out sequence is trained on.
+    extra = [sequences[j] for j in range(held_out, len(sequences))
+             if order[j] >= len(data["sequences"])] * (repeat - 1)
+    train, held = pack_sequences(sequences[held_out:] + extra, 256), pack_sequences(sequences[:held_out], 256)
     report["data"] = {"train_rows": train.shape[0], "eval_rows": held.shape[0], "seq_len": 256,
                       "sharegpt_sequences": len(data["sequences"]),
-                      "self_generated_sequences": len(generated)}
+                      "self_generated_sequences": len(generated), "self_repeat": repeat,
+                      "init_head": os.environ.get("INIT_HEAD")}
     # Leave about a minute of the call for the acceptance run.
     remaining = budget - (time.perf_counter() - started) - (5 if smoke else 75)
     config = TrainConfig(steps=20 if smoke else 100_000, batch_size=2 if smoke else 32,
-                         seq_len=256, lr=1e-3, eval_every=500, time_budget_s=remaining)
+                         seq_len=256, lr=float(os.environ.get("LR", "1e-3")), eval_every=500,
+                         time_budget_s=remaining, init_head=os.environ.get("INIT_HEAD"))
     start = time.perf_counter()
     _, summary = train_mtp(model, train, held, config, device, getattr(torch, dtype_name), head_dir,
                            progress=False)

@@ -39,6 +39,8 @@ class TrainConfig:
     # Stop after this many seconds even if fewer than ``steps`` ran; the learning-rate
     # schedule follows whichever of the two budgets is further spent.
     time_budget_s: float | None = None
+    # A head directory to continue from (fine-tuning); None starts from the base's last layer.
+    init_head: str | None = None
 
 
 def pack_sequences(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
@@ -140,8 +142,11 @@ def train_mtp(
     files = ModelFiles(model)
     base = load_model(files, config.seq_len + 8, dtype, torch.device(device), config.seed)
     base.requires_grad_(False)
-    head = load_mtp_head("dummy", files, base.rotary, config.seed).to(device)
-    _init_head_from_base(head, base)
+    if config.init_head is not None:
+        head = load_mtp_head(config.init_head, files, base.rotary).to(device, torch.float32)
+    else:
+        head = load_mtp_head("dummy", files, base.rotary, config.seed).to(device)
+        _init_head_from_base(head, base)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
     history: list[dict] = []
@@ -286,6 +291,8 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--data", default=None, help="token data saved by --save-data")
     parser.add_argument("--save-data", default=None, help="save the packed data and exit")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-head", default=None,
+                        help="continue training this head directory instead of starting anew")
 
 
 def main_from_args(args) -> int:
@@ -302,7 +309,7 @@ def main_from_args(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                          lr=args.lr, eval_every=args.eval_every, seed=args.seed,
-                         time_budget_s=args.time_budget)
+                         time_budget_s=args.time_budget, init_head=args.init_head)
     _, summary = train_mtp(args.model, data["train"], data["eval"], config, args.device,
                            getattr(torch, dtype_name), args.out)
     print(json.dumps(summary["history"][-1]))
