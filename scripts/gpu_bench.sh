@@ -1,12 +1,40 @@
 #!/usr/bin/env bash
-# On the lent GPU, in one device call: the GPU tests, then the decode benchmark (tokens/s and
-# GPU idle fraction at batch 1, 8, 16 and 64; with and without overlap and MTP).
-# Usage: scripts/gpu_bench.sh MODEL.gguf OUT_DIR   (the repository root is the working dir)
+# On the lent GPU, in one device call per stage list: the GPU tests and the benchmarks of
+# issue 6, each writing JSON under OUT_DIR (the repository root is the working directory).
+#
+# Usage: STAGES="tests decode" scripts/gpu_bench.sh MODEL.gguf OUT_DIR
+#   tests       every `gpu`-marked test (Triton vs torch, graphs vs eager vs HF, overlap)
+#   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) with and
+#               without overlap and MTP, MAX_TOKENS (default 128) each
+#   latency     Llama-3-8B shape, dummy weights, batch 1, 128 prompt + 256 output tokens:
+#               ms per token against the bandwidth roofline
+#   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
+#               transformers on the first HF_PROMPTS (default 64) for reference
 set -u
 model=$1 out=$2
 export TANDEM_MODEL=$model PYTHONUNBUFFERED=1
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_overlap.py ${GPU_TESTS:-} 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
-python3 -m tandem.cli bench decode --device cuda --dtype bfloat16 --model "$model" \
-  --batch-sizes ${BATCH_SIZES:-1,8,16,64} --max-tokens ${MAX_TOKENS:-256} --modes plain,overlap,mtp,mtp+overlap \
-  --num-speculative-tokens 3 --speculative-model tandem/heads/smollm2-135m-instruct \
-  --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn
+for stage in ${STAGES:-tests decode latency throughput}; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    tests)
+      timeout "${STAGE_TIMEOUT:-290}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_cuda_graphs.py \
+        tests/e2e/test_overlap.py tests/unit/test_triton_attention.py 2>&1 \
+        | grep -v Warn | tail -30 | tee "$out/gpu_tests.txt" ;;
+    decode)
+      timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
+        --batch-sizes "${BATCH_SIZES:-1,8,64}" --max-tokens "${MAX_TOKENS:-128}" \
+        --modes plain,overlap,mtp,mtp+overlap --num-speculative-tokens 3 \
+        --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn ;;
+    latency)
+      timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench latency --device cuda --model dummy:llama3-8b \
+        --batch-size 1 --input-len 128 --output-len 256 --out-dir "$out" 2>&1 \
+        | grep --line-buffered -v Warn ;;
+    throughput)
+      timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench throughput --device cuda --model dummy:llama3-8b \
+        --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \
+        --max-output-len 1024 --max-num-seqs 256 --hf-num-prompts "${HF_PROMPTS:-64}" \
+        --hf-batch-size 32 --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "it/s" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+echo "== done $(date +%T)"

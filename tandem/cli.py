@@ -14,7 +14,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                        help="KV cache size (default: 1 GB on the CPU; on CUDA the memory "
+                        "left under --gpu-memory-utilization)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of the GPU's memory the engine may use")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: run every step eagerly")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speculative", choices=["mtp"], default=None,
@@ -24,8 +30,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MTP head directory (from tandem train-mtp) or 'dummy'")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run scheduling and the model in turn (overlap is on by default)")
-    parser.add_argument("--attention-backend", choices=["torch", "triton"], default="torch",
-                        help="paged attention: the torch reference or the Triton kernel")
+    parser.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
+                        help="paged attention: the torch reference or the Triton kernel "
+                        "(default: triton on CUDA, torch on the CPU)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -43,6 +50,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "speculative_model": args.speculative_model,
         "overlap": not args.no_overlap,
         "attention_backend": args.attention_backend,
+        "enforce_eager": args.enforce_eager,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
     }
 
 
@@ -73,28 +82,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def engine_config(args: argparse.Namespace):
     """An EngineConfig from the shared engine options."""
-    from tandem.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from tandem.llm import engine_config as build
 
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        overlap=not args.no_overlap,
-        attention_backend=args.attention_backend,
-        cache=CacheConfig(
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len
-        ),
-        speculative=SpeculativeConfig(
-            args.speculative,
-            args.num_speculative_tokens if args.speculative else 0,
-            args.speculative_model,
-        ),
-    )
+    return build(args.model, **engine_kwargs(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -157,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("serve", "serving", "online benchmark of an OpenAI server"),
         ("spec", "spec", "MTP acceptance and speedup on MT-Bench"),
         ("decode", "decode", "decode tokens/s and GPU idle fraction"),
+        ("latency", "latency", "ms per output token against the bandwidth roofline"),
     ):
         module = importlib.import_module(f"tandem.bench.{module_name}")
         command = bench_commands.add_parser(name, help=help_text)

@@ -10,18 +10,26 @@ class CacheConfig:
     """Paged KV cache: block size, how many blocks, prefix caching."""
 
     block_size: int = 16
-    # Explicit number of blocks; when None it is derived from kv_cache_memory_gb.
+    # Explicit number of blocks; when None it is derived from kv_cache_memory_gb, or on
+    # CUDA (when that is None too) from the memory left under gpu_memory_utilization.
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+
+    # The KV cache's size on the CPU when neither num_blocks nor kv_cache_memory_gb is set.
+    CPU_DEFAULT_GB = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclass
@@ -71,16 +79,25 @@ class EngineConfig:
     dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA
     seed: int = 0
     overlap: bool = True
-    # "torch" (the reference) or "triton" (one paged-attention kernel launch per layer).
-    attention_backend: str = "torch"
+    # "torch" (the reference) or "triton" (one paged-attention kernel launch per layer);
+    # None picks triton on CUDA and torch on the CPU.
+    attention_backend: str | None = None
+    # No CUDA graphs: every step runs eagerly.
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("torch", "triton"):
+        if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+
+    def resolved_attention_backend(self) -> str:
+        """The attention backend's name: as set, else triton on CUDA and torch elsewhere."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
 
     def resolved_dtype_name(self) -> str:
         """The compute dtype's name: float32 on the CPU unless set, bfloat16 on CUDA."""

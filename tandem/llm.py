@@ -19,6 +19,44 @@ from tandem.tokenizer import Tokenizer
 PromptType = str | dict
 
 
+def engine_config(
+    model: str | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    speculative: str | None = None,
+    num_speculative_tokens: int = 3,
+    speculative_model: str | None = None,
+    overlap: bool = True,
+    attention_backend: str | None = None,
+    enforce_eager: bool = False,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory_gb: float | None = None,
+    gpu_memory_utilization: float = 0.9,
+    enable_prefix_caching: bool = True,
+    seed: int = 0,
+) -> EngineConfig:
+    """An EngineConfig from flat options (the offline API's and the command line's)."""
+    return EngineConfig(
+        model=model,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        overlap=overlap,
+        attention_backend=attention_backend,
+        enforce_eager=enforce_eager,
+        cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb, enable_prefix_caching,
+                          gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+        speculative=SpeculativeConfig(
+            speculative, num_speculative_tokens if speculative else 0, speculative_model
+        ),
+    )
+
+
 class LLM:
     """Runs an engine core in this process for batch generation.
 
@@ -26,39 +64,10 @@ class LLM:
     named architecture) or None for the default model (SmolLM2-135M-Instruct).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str = "cpu",
-        dtype: str | None = None,
-        speculative: str | None = None,
-        num_speculative_tokens: int = 3,
-        speculative_model: str | None = None,
-        overlap: bool = True,
-        attention_backend: str = "torch",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float = 1.0,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        tokenizer: str | None = None,
-    ):
-        self.config = EngineConfig(
-            model=model,
-            device=device,
-            dtype=dtype,
-            seed=seed,
-            overlap=overlap,
-            attention_backend=attention_backend,
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
-            speculative=SpeculativeConfig(
-                speculative, num_speculative_tokens if speculative else 0, speculative_model
-            ),
-        )
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_options):
+        """``engine_options`` are those of :func:`engine_config` (device, dtype,
+        speculative, overlap, max_num_seqs, gpu_memory_utilization, ...)."""
+        self.config = engine_config(model, **engine_options)
         self.engine = EngineCore(self.config)
         self.model_path = self.engine.model_path
         tokenizer_path = tokenizer or self.model_path

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from tandem.models.loader import DUMMY_PREFIX
+from tandem.models.registry import dummy_preset
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -36,12 +39,20 @@ def torch_dtype(name: str | None, device: str = "cpu") -> torch.dtype:
 
 
 def load_hf_model(model_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-    """A transformers causal LM in eval mode, from a ``.gguf`` file or an HF model directory.
+    """A transformers causal LM in eval mode, from a ``.gguf`` file, an HF model directory or
+    ``dummy:NAME`` (that preset's shape with transformers' own random weights: for speed
+    comparisons only).
 
     GGUF weights are de-quantized by transformers to ``dtype``.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if model_path.startswith(DUMMY_PREFIX):
+        hf_config = dummy_preset(model_path.removeprefix(DUMMY_PREFIX)).to_hf_config()
+        config = AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval()
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(os.path.abspath(model_path)),

@@ -166,9 +166,12 @@ def run_throughput(
     seed: int,
     llm_kwargs: dict,
     skip_hf: bool = False,
+    hf_num_prompts: int | None = None,
 ) -> dict:
     """Measure Tandem's (and unless ``skip_hf`` transformers') offline throughput.
 
+    ``hf_num_prompts`` runs transformers on the first that many requests only (a slow
+    reference on a big model); its rates are per second all the same.
     Writes the result to ``out_dir/throughput-<dataset>-<device>-<timestamp>.json``, prints
     a markdown table and returns the result dict (``output_path`` says where it went).
     """
@@ -211,6 +214,7 @@ def run_throughput(
             "hf_batch_size": hf_batch_size,
             "seed": seed,
             "skip_hf": skip_hf,
+            "hf_num_prompts": hf_num_prompts,
             "llm_kwargs": {
                 k: v if isinstance(v, (str, int, float, bool)) else str(v)
                 for k, v in llm_kwargs.items()
@@ -227,8 +231,10 @@ def run_throughput(
     if not skip_hf:
         torch.set_num_threads(threads)
         dtype = torch_dtype(llm_kwargs.get("dtype"), device)
-        hf_s = _run_hf(model_path, reqs, warmup_ids, hf_batch_size, device, dtype)
-        result["hf"] = _metrics(len(reqs), prompt_tokens, output_tokens, hf_s)
+        hf_reqs = reqs[:hf_num_prompts] if hf_num_prompts else reqs
+        hf_s = _run_hf(model_path, hf_reqs, warmup_ids, hf_batch_size, device, dtype)
+        result["hf"] = _metrics(len(hf_reqs), sum(r.prompt_len for r in hf_reqs),
+                                sum(r.output_len for r in hf_reqs), hf_s)
         result["hf"]["dtype"] = str(dtype).removeprefix("torch.")
         result["ratio"] = {
             key: result["tandem"][key] / result["hf"][key]
@@ -273,6 +279,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: Tandem's)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--skip-hf", action="store_true", help="measure Tandem only")
+    parser.add_argument("--hf-num-prompts", type=int, default=None,
+                        help="run transformers on only the first N requests")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run Tandem without overlap scheduling")
 
@@ -299,5 +307,6 @@ def main_from_args(args: argparse.Namespace) -> int:
         seed=args.seed,
         llm_kwargs=llm_kwargs,
         skip_hf=args.skip_hf,
+        hf_num_prompts=args.hf_num_prompts,
     )
     return 0

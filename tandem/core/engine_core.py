@@ -19,7 +19,6 @@ from tandem.config import EngineConfig
 from tandem.core.kv_cache import BlockManager
 from tandem.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerOutput
 from tandem.models.loader import ModelFiles
-from tandem.models.mtp import mtp_head_layers
 from tandem.request import Request, RequestStatus
 from tandem.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
@@ -36,19 +35,18 @@ class EngineCore:
         self.max_model_len = max_len
         dtype = getattr(torch, config.resolved_dtype_name())
         block_size = config.cache.block_size
-        num_blocks = config.cache.num_blocks
         spec = config.speculative
-        num_mtp_layers = mtp_head_layers(spec.model, files) if spec.method == "mtp" else 0
-        if num_blocks is None:
-            per_block = kv_cache_bytes_per_block(self.arch, block_size, dtype, num_mtp_layers)
-            num_blocks = max(1, int(config.cache.kv_cache_memory_gb * 2**30 // per_block))
+        use_mtp = spec.method == "mtp"
+        self.runner = ModelRunner(config, files, max_len, mtp_source=spec.model if use_mtp
+                                  else None, use_mtp=use_mtp)
+        num_mtp_layers = self.runner.mtp_head.num_layers if use_mtp else 0
+        per_block = kv_cache_bytes_per_block(self.arch, block_size, dtype, num_mtp_layers)
+        num_blocks = config.cache.num_blocks or self._num_kv_blocks(per_block)
         self.num_blocks = num_blocks
         # One request alone must always fit, or it would preempt itself forever.
         max_len = min(max_len, num_blocks * block_size)
         self.max_model_len = max_len
-        self.runner = ModelRunner(config, files, max_len, num_blocks, mtp_source=spec.model
-                                  if spec.method == "mtp" else None,
-                                  use_mtp=spec.method == "mtp")
+        self.runner.allocate_kv_cache(num_blocks, max_len)
         self.block_manager = BlockManager(
             num_blocks, block_size, config.cache.enable_prefix_caching
         )
@@ -66,6 +64,25 @@ class EngineCore:
             "num_steps": 0,
             "num_preemptions": 0,
         }
+
+    def _num_kv_blocks(self, bytes_per_block: int) -> int:
+        """Blocks that fit in kv_cache_memory_gb, or on CUDA in the memory left under
+        gpu_memory_utilization after the weights and the largest step's activations."""
+        cache = self.config.cache
+        if cache.kv_cache_memory_gb is not None:
+            budget = cache.kv_cache_memory_gb * 2**30
+        elif self.runner.device.type == "cuda":
+            peak = self.runner.profile_peak_bytes()
+            free, total = torch.cuda.mem_get_info(self.runner.device)
+            budget = total * cache.gpu_memory_utilization - (total - free) - peak
+            if budget < bytes_per_block:
+                raise ValueError(
+                    f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                    f"{total / 2**30:.1f}, the largest step needs {peak / 2**30:.2f}; raise "
+                    "--gpu-memory-utilization or lower --max-num-batched-tokens")
+        else:
+            budget = cache.CPU_DEFAULT_GB * 2**30
+        return max(1, int(budget // bytes_per_block))
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -203,18 +203,6 @@ def _checkpoint_layout(files) -> tuple[str, int] | None:
     return None
 
 
-def mtp_head_layers(source: str | None, files) -> int:
-    """How many MTP layers the head from ``source`` has (see ``load_mtp_head``)."""
-    if source == DUMMY_HEAD:
-        return 1
-    if source is not None:
-        return _read_head_config(source)["num_layers"]
-    layout = _checkpoint_layout(files)
-    if layout is not None:
-        return layout[1]
-    return mtp_head_layers(_shipped_head(files), files)
-
-
 def _shipped_head(files) -> str:
     """The head that ships with Tandem for this model, or a ValueError saying what to do."""
     from tandem.models.loader import DEFAULT_MODEL_FILE

@@ -74,6 +74,30 @@ class ModelArchConfig:
         )
 
 
+    def to_hf_config(self) -> dict:
+        """A Hugging Face config.json dict of this shape (``from_hf_config``'s inverse)."""
+        config = {
+            "architectures": [self.architecture],
+            "model_type": SUPPORTED_ARCHITECTURES[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+        }
+        if self.rope_scaling is not None:
+            config["rope_scaling"] = dict(self.rope_scaling)
+        return config
+
+
 def _rope_scaling(raw: dict | None) -> dict | None:
     """Keep a rope scaling entry only if it changes anything; reject kinds we don't run."""
     if not raw:

@@ -14,9 +14,11 @@ from tandem.config import EngineConfig
 from tandem.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionBackend, TorchAttentionBackend
 from tandem.layers.sampler import LogprobsTensors, compute_logprobs
+from tandem.layers.triton_attention import TritonAttentionBackend
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
 from tandem.transfer import DeviceReader, copy_to, to_device
+from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
 from tandem.worker.spec.proposer import MTPProposer, ProposalRow
 from tandem.worker.step_sampler import SamplingRow, sample_step
 
@@ -81,11 +83,7 @@ class StepInputs:
 
 
 def _attention_backend(name: str) -> AttentionBackend:
-    if name == "triton":
-        from tandem.layers.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    return TorchAttentionBackend()
+    return TritonAttentionBackend() if name == "triton" else TorchAttentionBackend()
 
 
 def kv_cache_bytes_per_block(arch, block_size: int, dtype: torch.dtype,
@@ -97,14 +95,17 @@ def kv_cache_bytes_per_block(arch, block_size: int, dtype: torch.dtype,
 
 
 class ModelRunner:
-    """Runs the model for the scheduler's steps on one device."""
+    """Runs the model for the scheduler's steps on one device.
+
+    Built in two stages: the constructor loads the weights (and the MTP head), so the
+    engine can size the KV cache from the memory left; ``allocate_kv_cache`` then creates
+    the cache and, on CUDA, captures the CUDA graphs."""
 
     def __init__(
         self,
         config: EngineConfig,
         files: ModelFiles,
         max_model_len: int,
-        num_blocks: int,
         mtp_source: str | None = None,
         use_mtp: bool = False,
     ):
@@ -115,27 +116,74 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = load_model(files, max_model_len, self.dtype, self.device, config.seed)
         self.arch = self.model.arch
-        self.backend = _attention_backend(config.attention_backend)
-        cache_shape = (2, num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        self.kv_caches = [
-            torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.arch.num_layers)
-        ]
+        self.backend = _attention_backend(config.resolved_attention_backend())
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.states: dict[str, RequestState] = {}
         self.reader = DeviceReader(self.device)
-        self.proposer = None
+        self.mtp_head = None
         if use_mtp:
             mtp_head = load_mtp_head(mtp_source, files, self.model.rotary, config.seed)
-            mtp_head = mtp_head.to(device=self.device, dtype=self.dtype).eval()
-            mtp_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
-                          for _ in range(mtp_head.num_layers)]
-            self.proposer = MTPProposer(mtp_head, self.model, mtp_caches, self.backend,
-                                        self.block_size, self.device)
+            self.mtp_head = mtp_head.to(device=self.device, dtype=self.dtype).eval()
+        self.kv_caches: list[torch.Tensor] = []
+        self.proposer: MTPProposer | None = None
+        self.graphs: CudaGraphRunner | None = None
         max_tokens = config.scheduler.max_num_batched_tokens
         self._input_ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         self._slots = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Create the paged KV cache (``num_blocks`` blocks for requests plus one scratch
+        block for CUDA graphs' padding rows) and capture the graphs unless eager."""
+        self.max_model_len = max_model_len
+        cache_shape = (2, num_blocks + 1, self.block_size, self.arch.num_kv_heads,
+                       self.arch.head_dim)
+        self.kv_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.arch.num_layers)]
+        k = self.config.speculative.num_speculative_tokens
+        if self.mtp_head is not None:
+            mtp_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.mtp_head.num_layers)]
+            self.proposer = MTPProposer(self.mtp_head, self.model, mtp_caches, self.backend,
+                                        self.block_size, self.device)
+        if self.uses_cuda_graphs:
+            query_lens = [1, 1 + k] if self.mtp_head is not None else [1]
+            self.graphs = CudaGraphRunner(
+                self.model, self.kv_caches, self.backend, self.block_size, max_model_len,
+                self.config.scheduler.max_num_seqs, query_lens, num_blocks, self.device)
+            self.graphs.capture()
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Graphs need CUDA and the Triton backend (whose launches read no host value)."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and isinstance(self.backend, TritonAttentionBackend))
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """Device memory a full step needs beyond the weights: a dry run of the largest
+        prefill (``max_num_batched_tokens`` tokens) and its logits, measured on CUDA."""
+        tokens = self.config.scheduler.max_num_batched_tokens
+        blocks = -(-tokens // self.block_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        caches = [torch.zeros((2, blocks, self.block_size, self.arch.num_kv_heads,
+                               self.arch.head_dim), dtype=self.dtype, device=self.device)
+                  for _ in range(self.arch.num_layers)]
+        slots = torch.arange(tokens, device=self.device)
+        metadata = self.backend.build_metadata([tokens], [tokens], [list(range(blocks))], slots,
+                                               self.block_size, self.device)
+        hidden = self.model(self._input_ids[:tokens], torch.arange(tokens, device=self.device),
+                            caches, metadata, self.backend)
+        rows = min(tokens, self.config.scheduler.max_num_seqs
+                   * (1 + self.config.speculative.num_speculative_tokens))
+        self.model.compute_logits(hidden[:rows]).softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -210,21 +258,7 @@ class ModelRunner:
         if step.is_empty:
             return output
         inputs = self._prepare(step)
-        num_tokens = len(inputs.token_ids)
-        input_ids = self._input_ids[:num_tokens]
-        positions = self._positions[:num_tokens]
-        slots = self._slots[:num_tokens]
-        copy_to(input_ids, inputs.token_ids)
-        copy_to(positions, inputs.positions)
-        copy_to(slots, inputs.slots)
-        if inputs.drafts:
-            input_ids[to_device(inputs.draft_index, torch.long, self.device)] = torch.cat(
-                inputs.drafts)
-        metadata = self.backend.build_metadata(
-            inputs.query_lens, inputs.seq_lens, inputs.block_tables, slots,
-            self.block_size, self.device,
-        )
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)
+        hidden, input_ids = self._forward(inputs)
 
         sampling_plans = [plan for plan in inputs.plans if plan.samples]
         sampling_rows: list[SamplingRow] = []
@@ -265,6 +299,33 @@ class ModelRunner:
         if self.proposer is not None:
             self._propose(inputs, hidden, emitted, output)
         return output
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's hidden states and the fed token ids (drafts filled in on the
+        device): by a CUDA graph's replay when the batch is uniform, else eagerly."""
+        drafts = None
+        if inputs.drafts:
+            drafts = (to_device(inputs.draft_index, torch.long, self.device),
+                      torch.cat(inputs.drafts))
+        size = self.graphs.padded_size(inputs.query_lens) if self.graphs is not None else None
+        if size is not None:
+            batch = GraphBatch(inputs.token_ids, inputs.positions, inputs.slots,
+                               inputs.seq_lens, inputs.block_tables, inputs.query_lens[0])
+            return self.graphs.run(batch, size, drafts)
+        num_tokens = len(inputs.token_ids)
+        input_ids = self._input_ids[:num_tokens]
+        positions = self._positions[:num_tokens]
+        slots = self._slots[:num_tokens]
+        copy_to(input_ids, inputs.token_ids)
+        copy_to(positions, inputs.positions)
+        copy_to(slots, inputs.slots)
+        if drafts is not None:
+            input_ids[drafts[0]] = drafts[1]
+        metadata = self.backend.build_metadata(
+            inputs.query_lens, inputs.seq_lens, inputs.block_tables, slots,
+            self.block_size, self.device,
+        )
+        return self.model(input_ids, positions, self.kv_caches, metadata, self.backend), input_ids
 
     def _emit(self, plans, sampling_rows, sample, host, output) -> dict[str, list[int]]:
         """Apply the step's tokens to the request states and the output."""

@@ -21,7 +21,6 @@ from tandem.models.mtp import (
     HEAD_WEIGHTS_FILE,
     MTPHead,
     load_mtp_head,
-    mtp_head_layers,
     read_head_file,
     rename_deepseek,
     rename_mimo,
@@ -142,7 +141,6 @@ def test_save_and_read_head_round_trip(tmp_path):
     assert_same_params(loaded, reference)
 
     files = ModelFiles("dummy:tiny")
-    assert mtp_head_layers(str(tmp_path), files) == 2
     via_loader = load_mtp_head(str(tmp_path), files, make_rotary(TINY))
     assert via_loader.num_layers == 2
     assert_same_params(via_loader, reference)
@@ -172,11 +170,11 @@ def test_read_head_corrupt_weights_names_file(tmp_path):
         read_head_file(str(tmp_path))
 
 
-def test_mtp_head_layers_missing_head_dir_is_value_error(tmp_path):
-    """The engine asks ``mtp_head_layers`` first (to size the KV cache), so a wrong
-    speculative_model path must fail there with the same ValueError as read_head_file."""
+def test_missing_head_dir_is_value_error(tmp_path):
+    """A wrong speculative_model path fails with read_head_file's ValueError."""
+    files = ModelFiles("dummy:tiny")
     with pytest.raises(ValueError, match=HEAD_CONFIG_FILE):
-        mtp_head_layers(str(tmp_path / "no-such-head"), ModelFiles("dummy:tiny"))
+        load_mtp_head(str(tmp_path / "no-such-head"), files, make_rotary(files.arch))
 
 
 def test_head_for_another_shape_is_rejected(tmp_path):
@@ -248,7 +246,6 @@ def test_mimo_arch_is_qwen2_shaped():
 def test_mimo_checkpoint_loads_head(mimo_checkpoint):
     directory, _, reference = mimo_checkpoint
     files = ModelFiles(directory)
-    assert mtp_head_layers(None, files) == 1
     head = load_mtp_head(None, files, make_rotary(files.arch))
     assert head.num_layers == 1
     assert head.layers[0].block.self_attn.qkv_proj.bias is not None  # Qwen2 biases loaded
@@ -301,7 +298,6 @@ def test_deepseek_checkpoint_loads_head(deepseek_checkpoint):
     directory, _, reference = deepseek_checkpoint
     files = ModelFiles(directory)
     assert not files.arch.attention_bias
-    assert mtp_head_layers(None, files) == 1
     head = load_mtp_head(None, files, make_rotary(files.arch))
     assert head.num_layers == 1
     assert_same_params(head, reference)
@@ -318,7 +314,6 @@ def test_deepseek_target_still_loads(deepseek_checkpoint):
 
 def test_dummy_head():
     files = ModelFiles("dummy:tiny")
-    assert mtp_head_layers("dummy", files) == 1
     head = load_mtp_head("dummy", files, make_rotary(files.arch))
     assert head.num_layers == 1
     params = dict(head.named_parameters())
@@ -335,8 +330,6 @@ def test_model_without_mtp_needs_speculative_model():
     files = ModelFiles("dummy:tiny")
     with pytest.raises(ValueError, match="speculative_model"):
         load_mtp_head(None, files, make_rotary(files.arch))
-    with pytest.raises(ValueError, match="speculative_model"):
-        mtp_head_layers(None, files)
 
 
 def test_checkpoint_without_mtp_needs_speculative_model(tmp_path):
