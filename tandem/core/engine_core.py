@@ -11,6 +11,7 @@ the host's scheduling and post-processing run while the device computes.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -21,6 +22,10 @@ from tandem.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, S
 from tandem.models.loader import ModelFiles
 from tandem.request import Request, RequestStatus
 from tandem.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+
+logger = logging.getLogger(__name__)
+# Memory kept out of the KV cache for CUDA graphs' pools and cuBLAS workspaces.
+_CUDA_GRAPH_RESERVE = 1 << 30
 
 
 class EngineCore:
@@ -74,7 +79,14 @@ class EngineCore:
         elif self.runner.device.type == "cuda":
             peak = self.runner.profile_peak_bytes()
             free, total = torch.cuda.mem_get_info(self.runner.device)
-            budget = total * cache.gpu_memory_utilization - (total - free) - peak
+            # What this process holds counts even where the driver reports it late.
+            used = max(total - free, torch.cuda.memory_reserved(self.runner.device))
+            reserve = _CUDA_GRAPH_RESERVE if self.runner.uses_cuda_graphs else 0
+            budget = total * cache.gpu_memory_utilization - used - peak - reserve
+            logger.info("KV cache budget %.2f GiB: GPU %.1f GiB x %.2f, in use %.2f GiB, "
+                        "largest step %.2f GiB, CUDA graphs %.2f GiB", budget / 2**30,
+                        total / 2**30, cache.gpu_memory_utilization, used / 2**30,
+                        peak / 2**30, reserve / 2**30)
             if budget < bytes_per_block:
                 raise ValueError(
                     f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
@@ -166,10 +178,12 @@ class EngineCore:
         return self._apply(step, future.result())
 
     def shutdown(self) -> None:
-        """Finish the step in flight and stop the runner's thread."""
+        """Finish the step in flight, stop the runner's thread and give the device memory
+        (KV cache, CUDA graphs) back; the engine cannot run afterwards."""
         if self._worker is not None:
             self.drain()
             self._worker.shutdown(wait=True)
+        self.runner.release()
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges of this engine (a flat dict)."""

@@ -153,6 +153,15 @@ class ModelRunner:
                 self.config.scheduler.max_num_seqs, query_lens, num_blocks, self.device)
             self.graphs.capture()
 
+    def release(self) -> None:
+        """Drop the KV cache and the CUDA graphs and return their memory to the device."""
+        self.graphs = None
+        self.proposer = None
+        self.kv_caches = []
+        self.states.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @property
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and the Triton backend (whose launches read no host value)."""

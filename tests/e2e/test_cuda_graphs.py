@@ -33,7 +33,8 @@ def _model() -> str:
 def _run(engine: dict, **options):
     from tandem import LLM
 
-    llm = LLM(model=_model(), device="cuda", dtype="float32", **engine, **options)
+    llm = LLM(model=_model(), device="cuda", dtype="float32", kv_cache_memory_gb=4, **engine,
+              **options)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
                for q in load_mtbench()[::5]][:16]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],

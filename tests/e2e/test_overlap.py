@@ -242,7 +242,7 @@ def test_no_hidden_synchronization_on_cuda():
     from tandem import LLM
 
     llm = LLM(model=os.environ.get("TANDEM_MODEL"), device="cuda", overlap=True,
-              speculative="mtp", num_speculative_tokens=3)
+              speculative="mtp", num_speculative_tokens=3, kv_cache_memory_gb=4)
     prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": q["turns"][0]}])} for q in load_mtbench()[:16]]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=16,
@@ -276,7 +276,8 @@ def test_overlap_is_identical_on_cuda():
     for engine in ({}, {"speculative": "mtp", "num_speculative_tokens": 3}):
         results = []
         for overlap in (False, True):
-            llm = LLM(model=model, device="cuda", dtype="float32", overlap=overlap, **engine)
+            llm = LLM(model=model, device="cuda", dtype="float32", overlap=overlap,
+                      kv_cache_memory_gb=4, **engine)
             prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
                 [{"role": "user", "content": q["turns"][0]}])} for q in load_mtbench()[:16]]
             results.append(_outputs(llm, prompts, params))
