@@ -3,7 +3,8 @@
 # issue 6, each writing JSON under OUT_DIR (the repository root is the working directory).
 #
 # Usage: STAGES="tests decode" scripts/gpu_bench.sh MODEL.gguf OUT_DIR
-#   tests       every `gpu`-marked test (Triton vs torch, graphs vs eager vs HF, overlap)
+#   tests       the `gpu`-marked tests (Triton vs torch, graphs vs eager vs HF, overlap;
+#               GPU_TESTS names other test files or ids)
 #   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) with and
 #               without overlap and MTP, MAX_TOKENS (default 128) each
 #   latency     Llama-3-8B shape, dummy weights, batch 1, 128 prompt + 256 output tokens:
@@ -17,8 +18,8 @@ for stage in ${STAGES:-tests decode latency throughput}; do
   echo "== $stage $(date +%T)"
   case $stage in
     tests)
-      timeout "${STAGE_TIMEOUT:-290}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/e2e/test_cuda_graphs.py \
-        tests/e2e/test_overlap.py tests/unit/test_triton_attention.py 2>&1 \
+      timeout "${STAGE_TIMEOUT:-290}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        ${GPU_TESTS:-tests/e2e/test_cuda_graphs.py tests/e2e/test_overlap.py tests/unit/test_triton_attention.py} 2>&1 \
         | grep -v Warn | tail -30 | tee "$out/gpu_tests.txt" ;;
     decode)
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
@@ -32,7 +33,8 @@ for stage in ${STAGES:-tests decode latency throughput}; do
     throughput)
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench throughput --device cuda --model dummy:llama3-8b \
         --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \
-        --max-output-len 1024 --max-num-seqs 256 --hf-num-prompts "${HF_PROMPTS:-64}" \
+        --max-output-len 1024 --max-num-seqs 256 --kv-cache-memory-gb 80 \
+        --hf-num-prompts "${HF_PROMPTS:-64}" \
         --hf-batch-size 32 --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "it/s" ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -278,6 +278,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: Tandem's)")
     parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: Tandem's)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                        help="KV cache size (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="measure Tandem only")
     parser.add_argument("--hf-num-prompts", type=int, default=None,
                         help="run transformers on only the first N requests")
@@ -294,6 +296,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         llm_kwargs["dtype"] = args.dtype
     if args.max_num_seqs is not None:
         llm_kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.kv_cache_memory_gb is not None:
+        llm_kwargs["kv_cache_memory_gb"] = args.kv_cache_memory_gb
     if args.no_overlap:
         llm_kwargs["overlap"] = False
     run_throughput(

@@ -4,15 +4,15 @@
     results = model_runner.execute(step)
     updates = scheduler.update_from_output(step, results)
 
-With overlap scheduling (the default) the model runner works in its own thread, one step
-ahead: ``step()`` schedules and submits step n+1, then waits for step n and applies it, so
-the host's scheduling and post-processing run while the device computes.
+With overlap scheduling (the default) the model runner works one step ahead, in its own
+thread: ``step()`` schedules step n+1 and has the runner queue its device work and then read
+step n, which ``step()`` applies while the device computes step n+1.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -57,9 +57,9 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len,
                                    spec.num_speculative_tokens if spec.method else 0)
-        # Overlap scheduling: the runner's thread and the step it is working on.
+        # Overlap scheduling: the runner's thread and the step launched but not applied.
         self._worker = ThreadPoolExecutor(1, "tandem-runner") if config.overlap else None
-        self._in_flight: tuple[SchedulerOutput, Future] | None = None
+        self._in_flight: SchedulerOutput | None = None
         self.counters = {
             "num_requests_added": 0,
             "num_requests_finished": 0,
@@ -142,8 +142,8 @@ class EngineCore:
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
-        """Schedule, run and post-process one step (with overlap: submit the next step,
-        then apply the one before it)."""
+        """Schedule, run and post-process one step (with overlap: the runner queues the new
+        step's device work, then reads the one before it, which is applied here)."""
         step = self.scheduler.schedule()
         if self._worker is None:
             if step.is_empty:
@@ -152,13 +152,14 @@ class EngineCore:
                 return []
             return self._apply(step, self.runner.execute(step))
         previous, self._in_flight = self._in_flight, None
+        if previous is None and step.is_empty and not step.finished_request_ids:
+            return []
+        output = self._worker.submit(self.runner.step_ahead, step).result()
         if not step.is_empty:
-            self._in_flight = (step, self._worker.submit(self.runner.execute, step))
-        elif step.finished_request_ids:  # only drops finished requests' state: no device work
-            self._worker.submit(self.runner.execute, step).result()
+            self._in_flight = step
         if previous is None:
             return []
-        return self._apply(previous[0], previous[1].result())
+        return self._apply(previous, output)
 
     def _apply(self, step: SchedulerOutput, results: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = self.scheduler.update_from_output(step, results)
@@ -174,8 +175,8 @@ class EngineCore:
         """Wait for the step in flight, if any, and apply it (updates for its live rows)."""
         if self._in_flight is None:
             return []
-        (step, future), self._in_flight = self._in_flight, None
-        return self._apply(step, future.result())
+        step, self._in_flight = self._in_flight, None
+        return self._apply(step, self._worker.submit(self.runner.flush).result())
 
     def shutdown(self) -> None:
         """Finish the step in flight, stop the runner's thread and give the device memory

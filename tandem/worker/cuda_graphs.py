@@ -139,16 +139,17 @@ class CudaGraphRunner:
                 return size
         return None
 
-    def run(self, batch: GraphBatch, size: int, drafts: tuple[torch.Tensor, torch.Tensor] | None
+    def run(self, batch: GraphBatch, size: int, fills: list[tuple[torch.Tensor, torch.Tensor]]
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the static buffers from ``batch`` (``drafts``: flat indices and draft tokens
-        already on the device, written over their placeholders) and replay its graph.
+        """Fill the static buffers from ``batch`` (``fills``: flat indices and token ids
+        already on the device, such as drafts, written over their placeholders) and replay
+        its graph.
         Returns the hidden states and token ids of the real rows: views of static buffers,
         valid until the next replay. The host never waits here."""
         self._fill(batch, size)
         num_tokens = len(batch.token_ids)
-        if drafts is not None:
-            self.input_ids[drafts[0]] = drafts[1]
+        for index, tokens in fills:
+            self.input_ids[index] = tokens
         graph = self.graphs[(size, batch.query_len)]
         graph.graph.replay()
         self.num_replays += 1

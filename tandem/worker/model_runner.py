@@ -20,7 +20,7 @@ from tandem.models.mtp import load_mtp_head
 from tandem.transfer import DeviceReader, copy_to, to_device
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
 from tandem.worker.spec.proposer import MTPProposer, ProposalRow
-from tandem.worker.step_sampler import SamplingRow, sample_step
+from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
 
 
 @dataclass
@@ -35,10 +35,17 @@ class RequestState:
     drafts: torch.Tensor | None = None  # [num_drafts] on the device, for the next step
     draft_probs: torch.Tensor | None = None  # [num_drafts, V] for sampled drafts
     num_prompt_logprobs: int = 0  # prompt logprobs reported so far (survives preemption)
+    # Plain decoding advances the state when a step is launched: its sampled token is a
+    # PLACEHOLDER in token_ids until the step is read, and lives on the device meanwhile
+    # as pending_token = (candidates tensor of that step, index).
+    pending_token: tuple[torch.Tensor, int] | None = None
 
     @property
     def num_drafts(self) -> int:
         return 0 if self.drafts is None else int(self.drafts.shape[0])
+
+
+PLACEHOLDER = -1  # a token sampled by a launched step that the host has not read yet
 
 
 @dataclass
@@ -51,6 +58,7 @@ class RowPlan:
     num_known: int  # known tokens fed (the rest of the row are drafts)
     num_drafts: int
     offset: int  # flat index of the row's first token
+    placeholder: int = -1  # index in token_ids of the token this row samples (launched ahead)
 
     @property
     def end(self) -> int:
@@ -78,8 +86,26 @@ class StepInputs:
     block_tables: list[list[int]]
     draft_index: list[int]  # flat indices whose tokens are drafts (filled on the device)
     drafts: list[torch.Tensor]
+    # Flat indices whose tokens a launched, unread step sampled, and where they are.
+    pending_index: list[int]
+    pending_sources: list[tuple[torch.Tensor, int]]
     # (plan, flat indices whose logits predict prompt tokens, those prompt tokens)
     prompt_rows: list[tuple[RowPlan, list[int], list[int]]]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued and whose results the host has not read yet."""
+
+    inputs: StepInputs
+    sampling_plans: list[RowPlan]
+    sampling_rows: list[SamplingRow]
+    sample: StepSample | None
+    prompt_logprobs: LogprobsTensors | None
+    reads: list[torch.Tensor]
+    hidden: torch.Tensor
+    output: ModelRunnerOutput
+    advanced: bool  # request states were advanced at launch (plain decoding)
 
 
 def _attention_backend(name: str) -> AttentionBackend:
@@ -119,6 +145,7 @@ class ModelRunner:
         self.backend = _attention_backend(config.resolved_attention_backend())
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.states: dict[str, RequestState] = {}
+        self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
         self.reader = DeviceReader(self.device)
         self.mtp_head = None
         if use_mtp:
@@ -214,13 +241,13 @@ class ModelRunner:
             self.states[request.request_id] = state
         state.token_ids = row.reset_token_ids
         state.num_computed = row.reset_num_computed
-        state.drafts = state.draft_probs = None
+        state.drafts = state.draft_probs = state.pending_token = None
         return state
 
     # ---- one step ------------------------------------------------------------------------
 
     def _prepare(self, step: SchedulerOutput) -> StepInputs:
-        inputs = StepInputs([], [], [], [], [], [], [], [], [], [])
+        inputs = StepInputs([], [], [], [], [], [], [], [], [], [], [], [])
         block_size = self.block_size
         for row in step.scheduled:
             state = self._state(row)
@@ -235,7 +262,12 @@ class ModelRunner:
                 raise RuntimeError(f"request {plan.request_id!r}: no KV slot for position "
                                    f"{end - 1} ({len(row.block_ids)} blocks)")
             inputs.plans.append(plan)
-            inputs.token_ids += state.token_ids[start : start + num_known]
+            known = state.token_ids[start : start + num_known]
+            if known and known[-1] == PLACEHOLDER:
+                inputs.pending_index.append(len(inputs.token_ids) + len(known) - 1)
+                inputs.pending_sources.append(state.pending_token)
+                known = [*known[:-1], 0]
+            inputs.token_ids += known
             if num_drafts:
                 inputs.draft_index += range(len(inputs.token_ids),
                                             len(inputs.token_ids) + num_drafts)
@@ -259,16 +291,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. The host waits for the device once, to read the emitted tokens and
-        logprobs; the MTP drafts for the next step stay on the device."""
+        """Run one step and read its results (no overlap)."""
+        launched = self.launch(step)
+        return self.finish(launched) if launched is not None else ModelRunnerOutput()
+
+    @torch.inference_mode()
+    def step_ahead(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Overlap scheduling: queue ``step``'s device work, then read the step launched by
+        the previous call and return its output (None when there was none). With plain
+        decoding the new step is queued before the read, so the device never waits for the
+        host's bookkeeping; with MTP the new step's drafts and positions depend on the
+        previous step's accepted tokens, so that step is read first."""
+        previous, self._launched = self._launched, None
+        output = None
+        if previous is not None and (self.proposer is not None or step.is_empty):
+            output, previous = self.finish(previous), None
+        self._launched = self.launch(step)
+        if previous is not None:
+            output = self.finish(previous)
+        return output
+
+    @torch.inference_mode()
+    def flush(self) -> ModelRunnerOutput | None:
+        """Read the step launched last, if any (the end of an overlapped run)."""
+        previous, self._launched = self._launched, None
+        return self.finish(previous) if previous is not None else None
+
+    def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
+        """Queue one step's device work (forward, sampling, logprobs) without waiting."""
         for request_id in step.finished_request_ids:
             self.states.pop(request_id, None)
-        output = ModelRunnerOutput()
         if step.is_empty:
-            return output
+            return None
         inputs = self._prepare(step)
         hidden, input_ids = self._forward(inputs)
-
         sampling_plans = [plan for plan in inputs.plans if plan.samples]
         sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []
@@ -298,29 +354,59 @@ class ModelRunner:
             if inputs.prompt_rows:
                 prompt_logprobs = self._prompt_logprobs(inputs, logits[num_sampling:])
                 reads += prompt_logprobs.tensors()
-        host = self.reader.read(reads) if reads else []
-        emitted = self._emit(sampling_plans, sampling_rows, sample, host, output)
-        if prompt_logprobs is not None:
-            self._report_prompt_logprobs(inputs, host[-4:], output)
-        for plan in inputs.plans:
-            if plan.request_id not in emitted:
+        launched = LaunchedStep(inputs, sampling_plans, sampling_rows, sample, prompt_logprobs,
+                                reads, hidden, ModelRunnerOutput(), self.proposer is None)
+        if launched.advanced:
+            self._advance(launched)
+        return launched
+
+    def _advance(self, launched: LaunchedStep) -> None:
+        """Plain decoding emits exactly one token per sampling row, so the request states
+        move on at launch: the next step can be prepared before this one is read."""
+        sampled = {id(plan) for plan in launched.sampling_plans}
+        for plan in launched.inputs.plans:
+            if id(plan) not in sampled:
                 plan.state.num_computed += plan.num_known
+        for plan, row in zip(launched.sampling_plans, launched.sampling_rows, strict=True):
+            state = plan.state
+            state.num_computed = len(state.token_ids)
+            plan.placeholder = len(state.token_ids)
+            state.token_ids = [*state.token_ids, PLACEHOLDER]
+            state.pending_token = (launched.sample.candidates, row.logits_start)
+
+    def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step once, read its results and apply them."""
+        host = self.reader.read(launched.reads) if launched.reads else []
+        output = launched.output
+        emitted = self._emit(launched, host, output)
+        if launched.prompt_logprobs is not None:
+            self._report_prompt_logprobs(launched.inputs, host[-4:], output)
+        if not launched.advanced:
+            for plan in launched.inputs.plans:
+                if plan.request_id not in emitted:
+                    plan.state.num_computed += plan.num_known
         if self.proposer is not None:
-            self._propose(inputs, hidden, emitted, output)
+            self._propose(launched.inputs, launched.hidden, emitted, output)
         return output
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's hidden states and the fed token ids (drafts filled in on the
         device): by a CUDA graph's replay when the batch is uniform, else eagerly."""
-        drafts = None
+        fills = []  # (flat indices, token ids) written on the device after the copy
         if inputs.drafts:
-            drafts = (to_device(inputs.draft_index, torch.long, self.device),
-                      torch.cat(inputs.drafts))
+            fills.append((to_device(inputs.draft_index, torch.long, self.device),
+                          torch.cat(inputs.drafts)))
+        if inputs.pending_index:
+            source = inputs.pending_sources[0][0]  # one launched step at a time
+            fills.append((to_device(inputs.pending_index, torch.long, self.device),
+                          source.index_select(0, to_device(
+                              [index for _, index in inputs.pending_sources], torch.long,
+                              self.device))))
         size = self.graphs.padded_size(inputs.query_lens) if self.graphs is not None else None
         if size is not None:
             batch = GraphBatch(inputs.token_ids, inputs.positions, inputs.slots,
                                inputs.seq_lens, inputs.block_tables, inputs.query_lens[0])
-            return self.graphs.run(batch, size, drafts)
+            return self.graphs.run(batch, size, fills)
         num_tokens = len(inputs.token_ids)
         input_ids = self._input_ids[:num_tokens]
         positions = self._positions[:num_tokens]
@@ -328,17 +414,18 @@ class ModelRunner:
         copy_to(input_ids, inputs.token_ids)
         copy_to(positions, inputs.positions)
         copy_to(slots, inputs.slots)
-        if drafts is not None:
-            input_ids[drafts[0]] = drafts[1]
+        for index, tokens in fills:
+            input_ids[index] = tokens
         metadata = self.backend.build_metadata(
             inputs.query_lens, inputs.seq_lens, inputs.block_tables, slots,
             self.block_size, self.device,
         )
         return self.model(input_ids, positions, self.kv_caches, metadata, self.backend), input_ids
 
-    def _emit(self, plans, sampling_rows, sample, host, output) -> dict[str, list[int]]:
+    def _emit(self, launched: LaunchedStep, host: list, output) -> dict[str, list[int]]:
         """Apply the step's tokens to the request states and the output."""
         emitted: dict[str, list[int]] = {}
+        sample = launched.sample
         if sample is None:
             return emitted
         candidates, num_emitted = host[0], host[1]
@@ -346,7 +433,8 @@ class ModelRunner:
         if sample.logprobs is not None:
             entries = LogprobsTensors.from_host(host[2:6])
             logprobs = dict(zip(sample.logprob_rows, entries, strict=True))
-        for plan, sampling_row, count in zip(plans, sampling_rows, num_emitted, strict=True):
+        for plan, sampling_row, count in zip(launched.sampling_plans, launched.sampling_rows,
+                                             num_emitted, strict=True):
             first = sampling_row.logits_start
             tokens = candidates[first : first + count]
             request_id = plan.request_id
@@ -361,6 +449,14 @@ class ModelRunner:
                     for j, token in enumerate(tokens)
                 ]
             state = plan.state
+            if launched.advanced:
+                # The placeholder stays where it was unless the request was reset since.
+                if state.token_ids[plan.placeholder : plan.placeholder + 1] == [PLACEHOLDER]:
+                    state.token_ids[plan.placeholder] = tokens[0]
+                if (state.pending_token is not None
+                        and state.pending_token[0] is sample.candidates):
+                    state.pending_token = None
+                continue
             state.num_computed = len(state.token_ids) + count - 1
             state.token_ids = state.token_ids + tokens
             state.drafts = state.draft_probs = None

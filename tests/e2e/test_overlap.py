@@ -175,11 +175,14 @@ def test_requests_finishing_in_flight_match_and_free_once(make_llm, prompts, mon
 HOST_READS = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
 
-def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monkeypatch):
+@pytest.mark.parametrize("engine", ["plain", "mtp"])
+def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monkeypatch,
+                                                          engine):
     """Every read of a tensor's values on the host (.tolist(), .item(), bool(), ...) outside
     the runner's DeviceReader is counted: there must be none, and the reader waits at most
-    once per step, with MTP, sampling, logprobs and prompt logprobs all on."""
-    llm = make_llm(overlap=True, speculative="mtp", num_speculative_tokens=3)
+    once per step, with sampling, logprobs and prompt logprobs all on, plain and with MTP."""
+    options = {"speculative": "mtp", "num_speculative_tokens": 3} if engine == "mtp" else {}
+    llm = make_llm(overlap=True, **options)
     runner = llm.engine.runner
     stray: Counter = Counter()
     worker_threads: set[int] = set()
@@ -205,7 +208,7 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
 
         return wrapper
 
-    execute = runner.execute
+    execute = runner.step_ahead
 
     def execute_counted(step):
         worker_threads.add(threading.get_ident())
@@ -222,15 +225,32 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=16,
                              logprobs=2, prompt_logprobs=1 if i % 4 == 0 else None,
                              min_tokens=3) for i in range(16)]
-    runner.execute = execute_counted
+    runner.step_ahead = execute_counted
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del runner.execute
+        del runner.step_ahead
     assert len(waits) >= 5
     assert max(waits) <= 1, f"a step waited for the device {max(waits)} times"
     assert not stray, f"host reads outside the one wait per step: {dict(stray)}"
     assert threading.get_ident() not in worker_threads, "the model ran on the caller's thread"
+
+
+def test_plain_decoding_queues_the_next_step_before_reading(make_llm, prompts, monkeypatch):
+    """With overlap and no MTP, a decode step is launched while the step before it is
+    unread: its input token comes from that step's samples on the device."""
+    llm = make_llm(overlap=True)
+    runner = llm.engine.runner
+    forward = runner._forward
+    fed_from_device: list[int] = []
+
+    def recording_forward(inputs):
+        fed_from_device.append(len(inputs.pending_index))
+        return forward(inputs)
+
+    monkeypatch.setattr(runner, "_forward", recording_forward)
+    llm.generate(prompts, PARAMS["greedy"](), use_tqdm=False)
+    assert sum(fed_from_device) >= MAX_TOKENS * len(prompts) // 2
 
 
 @pytest.mark.gpu
