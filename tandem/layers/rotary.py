@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from tandem.layers.fused import rotary
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies for each pair of dimensions, in fp32."""
@@ -40,11 +42,4 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, H, D] (queries and keys of any number of heads) by positions [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        out = torch.empty_like(x)
-        out[..., :half] = x1 * cos - x2 * sin
-        out[..., half:] = x2 * cos + x1 * sin
-        return out
+        return rotary(x, positions, self.cos, self.sin)

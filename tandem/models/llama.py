@@ -9,26 +9,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.attention import AttentionBackend, AttentionMetadata
+from tandem.layers.fused import rms_norm, silu_mul
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.registry import ModelArchConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back to the input dtype before the weight."""
+    """RMSNorm computed in fp32, cast back to the input dtype before the weight. Given a
+    ``residual``, it normalizes ``x + residual`` and returns (normed, the sum): one fused
+    kernel on CUDA."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -71,7 +71,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -83,10 +83,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, positions, hidden, kv_cache, metadata, backend):
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), kv_cache, metadata, backend
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata,
+                                  backend)
+        normed, hidden = self.post_attention_layernorm(attended, residual=hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,113 @@
+"""The fused Triton kernels against their PyTorch references, in Triton's interpreter on
+the CPU (fp32 and fp16; bf16 on the GPU through the engine's tests)."""
+
+import pytest
+import torch
+
+from tandem.layers import fused
+from tandem.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs triton")
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+             torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden, with_residual):
+    generator = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=generator).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype)
+    residual = torch.randn(7, hidden, generator=generator).to(dtype) if with_residual else None
+    got = fused.rms_norm(x, weight, 1e-5, residual, use_triton=True)
+    expected = fused.rms_norm_reference(x, weight, 1e-5, residual)
+    if not with_residual:
+        got, expected = (got,), (expected,)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == dtype and g.shape == x.shape
+        torch.testing.assert_close(g, e, **TOLERANCE[dtype])
+
+
+def test_rms_norm_of_a_strided_view():
+    x = torch.randn(5, 3, 96)[:, 1]  # rows 288 elements apart
+    weight = torch.rand(96) + 0.5
+    torch.testing.assert_close(fused.rms_norm(x, weight, 1e-6, use_triton=True),
+                               fused.rms_norm_reference(x, weight, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rotary_on_the_fused_qkv_view(dtype, head_dim):
+    """q and k heads as the model hands them over: a slice of the fused qkv projection."""
+    num_heads, num_kv_heads, tokens = 6, 2, 9
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    generator = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim,
+                      generator=generator).to(dtype)
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(tokens, -1, head_dim)
+    positions = torch.randint(0, 512, (tokens,), generator=generator)
+    cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
+    got = fused.rotary(qk, positions, cos, sin, use_triton=True)
+    torch.testing.assert_close(got, fused.rotary_reference(qk, positions, cos, sin),
+                               **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul(dtype):
+    generator = torch.Generator().manual_seed(1)
+    gate = (3 * torch.randn(5, 1536, generator=generator)).to(dtype)
+    up = torch.randn(5, 1536, generator=generator).to(dtype)
+    torch.testing.assert_close(fused.silu_mul(gate, up, use_triton=True),
+                               fused.silu_mul_reference(gate, up), **TOLERANCE[dtype])
+
+
+def test_rms_norm_keeps_the_references_dtype():
+    """An fp16 input with an fp32 weight (autocast in training): the product is fp32."""
+    x = torch.randn(3, 64).half()
+    weight = torch.rand(64) + 0.5
+    got = fused.rms_norm(x, weight, 1e-5, use_triton=True)
+    expected = fused.rms_norm_reference(x, weight, 1e-5)
+    assert got.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_form_off_cuda_and_under_autograd():
+    x = torch.randn(2, 8, requires_grad=True)
+    weight = torch.ones(8)
+    assert not fused._kernels_apply(x, weight)  # CPU tensors
+    out = fused.rms_norm(x, weight, 1e-5)
+    out.sum().backward()  # the reference form keeps the graph
+    assert x.grad is not None
+
+
+def test_engine_with_the_kernels_matches_the_reference_form(monkeypatch):
+    """The whole model with every fused op as a kernel (in the interpreter) gives the
+    reference form's greedy tokens and logprobs: the kernels are wired in right (the q/k
+    view, the residual order)."""
+    from tandem import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 8]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
+
+    def run():
+        llm = LLM(model="dummy:tiny", dtype="float32", kv_cache_memory_gb=0.01)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    reference = run()
+    calls = []
+
+    def always(*tensors):
+        calls.append(len(tensors))
+        return not torch.is_grad_enabled()
+
+    monkeypatch.setattr(fused, "_kernels_apply", always)
+    kernels = run()
+    assert len(calls) > 10
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(kernels, reference, strict=True):
+        assert tokens == ref_tokens
+        for got, expected in zip(logprobs, ref_logprobs, strict=True):
+            for token, entry in expected.items():
+                assert abs(got[token].logprob - entry.logprob) < 1e-5
