@@ -115,6 +115,11 @@ def _run_hf(
     return time.perf_counter() - start
 
 
+def _write(result: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+
+
 def _machine_info(device: str, threads: int) -> dict:
     """What the numbers were measured on."""
     info = {
@@ -228,6 +233,12 @@ def run_throughput(
         "hf": None,
         "ratio": None,
     }
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device)
+    path = os.path.join(out_dir, f"throughput-{dataset}-{safe_device}-{stamp}.json")
+    result["output_path"] = path
+    _write(result, path)  # Tandem's numbers first, in case the reference run is cut short
     if not skip_hf:
         torch.set_num_threads(threads)
         dtype = torch_dtype(llm_kwargs.get("dtype"), device)
@@ -240,14 +251,7 @@ def run_throughput(
             key: result["tandem"][key] / result["hf"][key]
             for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
         }
-
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device)
-    path = os.path.join(out_dir, f"throughput-{dataset}-{safe_device}-{stamp}.json")
-    result["output_path"] = path
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+        _write(result, path)
     print(markdown_table(result))
     print(f"wrote {path}")
     return result
