@@ -4,15 +4,16 @@
     results = model_runner.execute(step)
     updates = scheduler.update_from_output(step, results)
 
-With overlap scheduling (the default) the model runner works one step ahead, in its own
-thread: ``step()`` schedules step n+1 and has the runner queue its device work and then read
-step n, which ``step()`` applies while the device computes step n+1.
+With overlap scheduling (the default) the model runner works one step ahead: ``step()``
+schedules step n+1, has the runner queue its device work and then read step n, and applies
+step n while the device computes step n+1. The device's queue is what overlaps the host's
+work with the device's; no second host thread is needed (on the CPU, where every op runs
+as it is issued, the same code runs and simply overlaps nothing).
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -57,8 +58,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len,
                                    spec.num_speculative_tokens if spec.method else 0)
-        # Overlap scheduling: the runner's thread and the step launched but not applied.
-        self._worker = ThreadPoolExecutor(1, "tandem-runner") if config.overlap else None
+        # Overlap scheduling: the step launched but not applied yet.
+        self._overlap = config.overlap
         self._in_flight: SchedulerOutput | None = None
         self.counters = {
             "num_requests_added": 0,
@@ -145,7 +146,7 @@ class EngineCore:
         """Schedule, run and post-process one step (with overlap: the runner queues the new
         step's device work, then reads the one before it, which is applied here)."""
         step = self.scheduler.schedule()
-        if self._worker is None:
+        if not self._overlap:
             if step.is_empty:
                 if step.finished_request_ids:
                     self.runner.execute(step)  # drop per-request state of finished requests
@@ -154,7 +155,7 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         if previous is None and step.is_empty and not step.finished_request_ids:
             return []
-        output = self._worker.submit(self.runner.step_ahead, step).result()
+        output = self.runner.step_ahead(step)
         if not step.is_empty:
             self._in_flight = step
         if previous is None:
@@ -176,14 +177,12 @@ class EngineCore:
         if self._in_flight is None:
             return []
         step, self._in_flight = self._in_flight, None
-        return self._apply(step, self._worker.submit(self.runner.flush).result())
+        return self._apply(step, self.runner.flush())
 
     def shutdown(self) -> None:
-        """Finish the step in flight, stop the runner's thread and give the device memory
-        (KV cache, CUDA graphs) back; the engine cannot run afterwards."""
-        if self._worker is not None:
-            self.drain()
-            self._worker.shutdown(wait=True)
+        """Finish the step in flight and give the device memory (KV cache, CUDA graphs)
+        back; the engine cannot run afterwards."""
+        self.drain()
         self.runner.release()
 
     def metrics(self) -> dict[str, float]:

@@ -185,7 +185,6 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
     llm = make_llm(overlap=True, **options)
     runner = llm.engine.runner
     stray: Counter = Counter()
-    worker_threads: set[int] = set()
     inside_reader = threading.Event()
     read = runner.reader.read
 
@@ -211,7 +210,6 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
     execute = runner.step_ahead
 
     def execute_counted(step):
-        worker_threads.add(threading.get_ident())
         before = runner.reader.num_waits
         try:
             with pytest.MonkeyPatch.context() as patch:
@@ -233,7 +231,6 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
     assert len(waits) >= 5
     assert max(waits) <= 1, f"a step waited for the device {max(waits)} times"
     assert not stray, f"host reads outside the one wait per step: {dict(stray)}"
-    assert threading.get_ident() not in worker_threads, "the model ran on the caller's thread"
 
 
 def test_plain_decoding_queues_the_next_step_before_reading(make_llm, prompts, monkeypatch):
