@@ -239,7 +239,7 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(seed)
             state = RequestState([], request.num_prompt_tokens, 0, generator)
             self.states[request.request_id] = state
-        state.token_ids = row.reset_token_ids
+        state.token_ids = list(row.reset_token_ids)  # the runner's own copy, grown in place
         state.num_computed = row.reset_num_computed
         state.drafts = state.draft_probs = state.pending_token = None
         return state
@@ -371,7 +371,7 @@ class ModelRunner:
             state = plan.state
             state.num_computed = len(state.token_ids)
             plan.placeholder = len(state.token_ids)
-            state.token_ids = [*state.token_ids, PLACEHOLDER]
+            state.token_ids.append(PLACEHOLDER)
             state.pending_token = (launched.sample.candidates, row.logits_start)
 
     def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
@@ -458,7 +458,7 @@ class ModelRunner:
                     state.pending_token = None
                 continue
             state.num_computed = len(state.token_ids) + count - 1
-            state.token_ids = state.token_ids + tokens
+            state.token_ids.extend(tokens)
             state.drafts = state.draft_probs = None
         return emitted
 
