@@ -34,15 +34,8 @@ class AttentionMetadata:
     """Everything a backend needs about one step's ragged batch (shared by all layers)."""
 
     slot_mapping: torch.Tensor  # [T] flat KV slot of each new token
-    query_start_loc: torch.Tensor  # [B + 1] on the host
-    seq_lens: torch.Tensor  # [B] tokens in context after this step, on the host
     max_query_len: int
-    max_seq_len: int
     groups: list[PaddedGroup] | None = None  # reference backend only
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_lens.shape[0])
 
 
 class AttentionBackend(ABC):
@@ -124,14 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
                         device, whole_batch=len(groups) == 1 and members == sorted(members))
             for members in groups
         ]
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=torch.tensor(query_start, dtype=torch.long),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            groups=padded,
-        )
+        return AttentionMetadata(slot_mapping, max(query_lens), padded)
 
     @staticmethod
     def _group(members, query_lens, seq_lens, block_tables, query_start, block_size, device,

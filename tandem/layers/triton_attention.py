@@ -249,10 +249,7 @@ class TritonAttentionBackend(AttentionBackend):
                  for row in block_tables]
         return TritonAttentionMetadata(
             slot_mapping=slot_mapping,
-            query_start_loc=torch.tensor(query_start, dtype=torch.long),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
             max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
             block_tables=to_device(table, torch.int32, device),
             query_start_loc_device=to_device(query_start, torch.int32, device),
             seq_lens_device=to_device(seq_lens, torch.int32, device),

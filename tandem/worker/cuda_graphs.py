@@ -97,10 +97,7 @@ class CudaGraphRunner:
     def _metadata(self, size: int, q: int) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(
             slot_mapping=self.slots[: size * q],
-            query_start_loc=torch.empty(0),
-            seq_lens=torch.empty(0),
             max_query_len=q,
-            max_seq_len=0,
             block_tables=self.block_tables[:size],
             query_start_loc_device=self.query_starts[q][: size + 1],
             seq_lens_device=self.seq_lens[:size],
