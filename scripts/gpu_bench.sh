@@ -7,8 +7,8 @@
 #               GPU_TESTS names other test files or ids)
 #   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) with and
 #               without overlap and MTP, MAX_TOKENS (default 128) each
-#   latency     Llama-3-8B shape, dummy weights, batch 1, 128 prompt + 256 output tokens:
-#               ms per token against the bandwidth roofline
+#   latency     Llama-3-8B shape (dummy weights), then MODEL, batch 1, 128 prompt + 256 output
+#               tokens: ms per token against the bandwidth roofline, with a kernel profile
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
 #               transformers on the first HF_PROMPTS (default 64) for reference
 #
@@ -42,9 +42,11 @@ for stage in ${STAGES:-tests decode latency throughput}; do
         --modes plain,overlap,mtp,mtp+overlap --num-speculative-tokens 3 \
         --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn ;;
     latency)
-      timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench latency --device cuda --model dummy:llama3-8b \
-        --batch-size 1 --input-len 128 --output-len 256 --out-dir "$out" 2>&1 \
-        | grep --line-buffered -v Warn ;;
+      for m in dummy:llama3-8b "$model"; do
+        timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench latency --device cuda --model "$m" \
+          --batch-size 1 --input-len 128 --output-len 256 --profile --out-dir "$out" 2>&1 \
+          | grep --line-buffered -v Warn
+      done ;;
     throughput)
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench throughput --device cuda --model dummy:llama3-8b \
         --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \

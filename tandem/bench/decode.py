@@ -106,18 +106,17 @@ def _is_device_work(device_type: Any, activity: Any, name: str, annotation: bool
     return not (isinstance(activity, str) and activity in _NOT_DEVICE_WORK)
 
 
-def device_intervals(prof: Any) -> tuple[list[tuple[float, float]], dict[str, int]]:
-    """Intervals (microseconds) of the CUDA kernels, memcpys and memsets a finished
-    ``torch.profiler.profile`` recorded, and the count of each activity type kept.
+def _device_events(prof: Any) -> list[tuple[str, str, float, float]]:
+    """``(name, activity type, start_us, end_us)`` of every CUDA kernel, memcpy and memset a
+    finished ``torch.profiler.profile`` recorded, times relative to the first event.
 
     Reads the raw Kineto events (``prof.profiler.kineto_results.events()``: integer
     nanoseconds, no event tree to build); falls back to ``prof.events()`` (FunctionEvents,
     ``time_range`` in microseconds) where the raw results are missing.
     """
-    counts: dict[str, int] = {}
     raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
     if raw is not None:
-        spans: list[tuple[int, int]] = []
+        spans: list[tuple[str, str, int, int]] = []
         for evt in raw.events():
             activity = _method(evt, "activity_type", "")
             annotation = bool(_method(evt, "is_user_annotation", False))
@@ -127,12 +126,11 @@ def device_intervals(prof: Any) -> tuple[list[tuple[float, float]], dict[str, in
                 continue
             start, end = evt.start_ns(), evt.end_ns()
             if end > start:
-                spans.append((start, end))
-                counts[str(activity)] = counts.get(str(activity), 0) + 1
+                spans.append((evt.name(), str(activity), start, end))
         # Subtract a base before going to float: absolute nanoseconds overflow its mantissa.
-        base = min((s for s, _ in spans), default=0)
-        return [((s - base) / 1000, (e - base) / 1000) for s, e in spans], counts
-    intervals: list[tuple[float, float]] = []
+        base = min((s for _, _, s, _ in spans), default=0)
+        return [(n, a, (s - base) / 1000, (e - base) / 1000) for n, a, s, e in spans]
+    events = []
     for evt in prof.events():
         activity = getattr(evt, "activity_type", "")
         annotation = bool(getattr(evt, "is_user_annotation", False))
@@ -140,9 +138,31 @@ def device_intervals(prof: Any) -> tuple[list[tuple[float, float]], dict[str, in
             continue
         start, end = evt.time_range.start, evt.time_range.end
         if end > start:
-            intervals.append((start, end))
-            counts[str(activity)] = counts.get(str(activity), 0) + 1
+            events.append((evt.name, str(activity), start, end))
+    return events
+
+
+def device_intervals(prof: Any) -> tuple[list[tuple[float, float]], dict[str, int]]:
+    """Intervals (microseconds) of the CUDA kernels, memcpys and memsets a finished
+    ``torch.profiler.profile`` recorded, and the count of each activity type kept."""
+    counts: dict[str, int] = {}
+    intervals = []
+    for _, activity, start, end in _device_events(prof):
+        intervals.append((start, end))
+        counts[activity] = counts.get(activity, 0) + 1
     return intervals, counts
+
+
+def kernel_totals(prof: Any, top: int = 30) -> list[dict]:
+    """The ``top`` device operations by total time: name, count and microseconds."""
+    totals: dict[str, list] = {}
+    for name, _, start, end in _device_events(prof):
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return [{"name": name[:160], "count": count, "total_us": round(us, 1)}
+            for name, (count, us) in ranked]
 
 
 def _profiled_generate(llm: Any, prompts: list[dict], params: Any, device: str) -> dict:

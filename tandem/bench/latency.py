@@ -31,10 +31,41 @@ def weight_bytes(model) -> int:
     return total
 
 
+def _kernel_profile(llm, prompts: list[dict], params, steps: int) -> dict:
+    """One more run under the CUDA profiler: GPU busy time per decode step and the device
+    operations that take it, by total time (what is left between a step and the roofline)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tandem.bench.decode import busy_fraction, device_intervals, kernel_totals
+    from tandem.bench.timing import sync_device
+
+    device = llm.engine.config.device
+    sync_device(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        sync_device(device)
+    intervals, _ = device_intervals(prof)
+    if not intervals:
+        return {"profile_note": "the profiler recorded no CUDA events"}
+    window = (min(s for s, _ in intervals), max(e for _, e in intervals))
+    busy_us = busy_fraction(intervals, window) * (window[1] - window[0])
+    top = kernel_totals(prof)
+    for entry in top:
+        entry["us_per_step"] = round(entry["total_us"] / steps, 2)
+    return {"profile_busy_ms_per_step": busy_us / steps / 1000,
+            "profile_window_ms_per_step": (window[1] - window[0]) / steps / 1000,
+            "profile_device_ops_per_step": len(intervals) / steps,
+            "profile_top_device_ops": top}
+
+
 def run_latency_bench(model: str | None, batch_size: int, input_len: int, output_len: int,
                       num_iters: int, bandwidth_tbps: float, out_dir: str | None,
-                      **engine_options) -> dict:
-    """Median decode milliseconds per token over ``num_iters`` runs, and the roofline."""
+                      profile: bool = False, **engine_options) -> dict:
+    """Median decode milliseconds per token over ``num_iters`` runs, and the roofline.
+
+    With ``profile`` (CUDA only) one more run goes through the profiler and the result holds
+    the GPU's busy time per step and the device operations ranked by time (prefill included,
+    spread over the ``output_len`` steps)."""
     from tandem import LLM, SamplingParams
 
     if output_len < 2:
@@ -68,6 +99,8 @@ def run_latency_bench(model: str | None, batch_size: int, input_len: int, output
         "tokens_per_s": batch_size * 1000 / ms_per_token,
     }
     _add_device(result, engine_options.get("device", "cpu"))
+    if profile and str(engine_options.get("device", "cpu")).startswith("cuda"):
+        result.update(_kernel_profile(llm, prompts, full, output_len))
     llm.engine.shutdown()
     print(f"decode {ms_per_token:.3f} ms/token at batch {batch_size} (roofline "
           f"{roofline_ms:.3f} ms: {result['fraction_of_roofline']:.1%}); prefill of "
@@ -103,13 +136,16 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: one more run under the profiler; top device ops per step")
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
 
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Run ``tandem bench latency``."""
     run_latency_bench(args.model, args.batch_size, args.input_len, args.output_len,
-                      args.num_iters, args.bandwidth_tbps, args.out_dir, device=args.device,
+                      args.num_iters, args.bandwidth_tbps, args.out_dir, profile=args.profile,
+                      device=args.device,
                       dtype=args.dtype, enforce_eager=args.enforce_eager,
                       overlap=not args.no_overlap)
     return 0

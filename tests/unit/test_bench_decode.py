@@ -14,6 +14,7 @@ from tandem.bench import decode
 from tandem.bench.decode import (
     busy_fraction,
     device_intervals,
+    kernel_totals,
     mode_name,
     parse_modes,
     run_decode_bench,
@@ -96,6 +97,25 @@ def test_device_intervals_keeps_kernels_memcpys_and_memsets_only():
     intervals, counts = device_intervals(prof)
     assert intervals == [(0.0, 2.0), (3.0, 3.5), (4.0, 4.001)]  # microseconds from the first
     assert counts == {"kernel": 1, "gpu_memcpy": 1, "gpu_memset": 1}
+
+
+def test_kernel_totals_ranks_device_ops_by_total_time():
+    events = [
+        _FakeKinetoEvent("gemm", DeviceType.CUDA, "kernel", 0, 3000),
+        _FakeKinetoEvent("norm", DeviceType.CUDA, "kernel", 3000, 3500),
+        _FakeKinetoEvent("gemm", DeviceType.CUDA, "kernel", 4000, 6000),
+        _FakeKinetoEvent("norm", DeviceType.CUDA, "kernel", 6000, 6400),
+        _FakeKinetoEvent("aten::mm", DeviceType.CPU, "cpu_op", 0, 90000),  # host: not counted
+        _FakeKinetoEvent("Memcpy HtoD", DeviceType.CUDA, "gpu_memcpy", 7000, 8000),
+    ]
+    prof = SimpleNamespace(profiler=SimpleNamespace(
+        kineto_results=SimpleNamespace(events=lambda: events)))
+    assert kernel_totals(prof) == [
+        {"name": "gemm", "count": 2, "total_us": 5.0},
+        {"name": "Memcpy HtoD", "count": 1, "total_us": 1.0},
+        {"name": "norm", "count": 2, "total_us": 0.9},
+    ]
+    assert [e["name"] for e in kernel_totals(prof, top=1)] == ["gemm"]
 
 
 class _FakeProfile:
