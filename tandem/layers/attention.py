@@ -39,7 +39,17 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Computes attention of new tokens over a paged KV cache."""
+    """Computes attention of new tokens over a paged KV cache.
+
+    A paged backend (``attends_cache``) reads the step's own keys and values back from the
+    cache, so the layer may store them itself (fused with the rotary embedding) and call
+    ``attend_cached``; ``forward`` stores, then attends."""
+
+    attends_cache = False
+
+    def attend_cached(self, q, k_cache, v_cache, metadata, scale) -> torch.Tensor:
+        """Attend q [T, H_q, D] over the cache, which holds this step's keys and values."""
+        raise NotImplementedError(f"{type(self).__name__} attends to k and v directly")
 
     @abstractmethod
     def build_metadata(
@@ -155,8 +165,13 @@ class TorchAttentionBackend(AttentionBackend):
             max_query_len=max_query_len,
         )
 
+    attends_cache = True
+
     def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend_cached(q, k_cache, v_cache, metadata, scale)
+
+    def attend_cached(self, q, k_cache, v_cache, metadata, scale):
         if len(metadata.groups) == 1 and metadata.groups[0].token_rows is None:
             return self._attend(q, k_cache, v_cache, metadata.groups[0], scale)
         out = torch.empty_like(q)

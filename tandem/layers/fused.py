@@ -1,5 +1,6 @@
 """Fused elementwise kernels for the decoder: RMSNorm (with the residual add), rotary
-embedding, and SiLU-and-multiply.
+embedding (alone, or with the store of the new keys and values into the paged cache), and
+SiLU-and-multiply.
 
 Each op is one Triton launch on CUDA in place of the 2 to 12 small kernels its PyTorch form
 issues; at small batch a decode step is a long chain of such kernels, so their count sets
@@ -108,6 +109,48 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     return out
 
 
+def rotary_store_kv_reference(qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
+                              num_q_heads):
+    """Rotate ``qk`` [T, H_q + H_kv, D] (``rotary_reference``), write the rotated keys and
+    ``v`` [T, H_kv, D] into flat slots ``slot_mapping`` of the caches [..., H_kv, D], and
+    return the rotated queries [T, H_q, D]."""
+    q, k = rotary_reference(qk, positions, cos, sin).split(
+        [num_q_heads, qk.shape[1] - num_q_heads], dim=1)
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    return q
+
+
+def rotary_store_kv(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
+                    use_triton: bool | None = None) -> torch.Tensor:
+    """``rotary_store_kv_reference`` in one kernel where it applies: one program per token
+    and head; a key head's program also copies that head's value."""
+    if not (_kernels_apply(qk, v, cos) if use_triton is None else use_triton):
+        return rotary_store_kv_reference(qk, v, positions, cos, sin, k_cache, v_cache,
+                                         slot_mapping, num_q_heads)
+    num_tokens, num_heads, head_dim = qk.shape
+    num_kv_heads = num_heads - num_q_heads
+    if (qk.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1
+            or cos.stride() != sin.stride() or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or k_cache.shape[-2:] != (num_kv_heads, head_dim)):
+        raise ValueError("rotary_store_kv needs x, v, cos and sin contiguous in their last "
+                         "dimension and caches [..., H_kv, D] contiguous")
+    q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_store_kv_kernel[(num_tokens, num_heads)](
+            qk, v, q, k_cache, v_cache, positions, slot_mapping, cos, sin,
+            qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), q.stride(0), q.stride(1),
+            cos.stride(0), num_q_heads,
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+            BLOCK=triton.next_power_of_2(half),
+        )
+    return q
+
+
 # ---- SiLU and multiply ---------------------------------------------------------------------
 
 
@@ -167,6 +210,45 @@ if triton is not None:
         out = out_ptr + token * stride_ot + head * stride_oh
         tl.store(out + d, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF + d, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_store_kv_kernel(x_ptr, v_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
+                                slot_ptr, cos_ptr, sin_ptr,
+                                stride_xt, stride_xh, stride_vt, stride_vh, stride_qt,
+                                stride_qh, stride_c, num_q_heads,
+                                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                HALF: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        d = tl.arange(0, BLOCK)
+        mask = d < HALF
+        position = tl.load(pos_ptr + token).to(tl.int64)
+        cos = tl.load(cos_ptr + position * stride_c + d, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + position * stride_c + d, mask=mask, other=0.0).to(tl.float32)
+        base = x_ptr + token * stride_xt + head * stride_xh
+        x1 = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to the input's dtype first, as the reference rotates, then stores.
+        out1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+        out2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+        if head < num_q_heads:
+            out = q_ptr + token * stride_qt + head * stride_qh
+            tl.store(out + d, out1, mask=mask)
+            tl.store(out + HALF + d, out2, mask=mask)
+        else:
+            kv_head = head - num_q_heads
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            dst = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + dst + d, out1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF + d, out2.to(k_cache_ptr.dtype.element_ty),
+                     mask=mask)
+            src = v_ptr + token * stride_vt + kv_head * stride_vh
+            for start in tl.static_range(0, HEAD_DIM, BLOCK):
+                cols = start + d
+                keep = cols < HEAD_DIM
+                value = tl.load(src + cols, mask=keep, other=0.0)
+                tl.store(v_cache_ptr + dst + cols, value.to(v_cache_ptr.dtype.element_ty),
+                         mask=keep)
 
     @triton.jit
     def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):

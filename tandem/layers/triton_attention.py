@@ -255,9 +255,15 @@ class TritonAttentionBackend(AttentionBackend):
             seq_lens_device=to_device(seq_lens, torch.int32, device),
         )
 
+    attends_cache = True
+
     def forward(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale):
         """Store k, v into the cache, then run the kernel over the whole ragged batch."""
         store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend_cached(q, k_cache, v_cache, metadata, scale)
+
+    def attend_cached(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale):
+        """The kernel over the whole ragged batch; the cache holds the step's keys."""
         return paged_attention(
             q, k_cache, v_cache,
             metadata.block_tables,

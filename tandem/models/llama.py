@@ -57,8 +57,13 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # Queries and keys rotate in one call: they are adjacent in the fused projection.
-        q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
+        if backend.attends_cache:  # the rotation also stores the keys and values
+            q = self.rotary.rotate_and_store(positions, qk, v, kv_cache[0], kv_cache[1],
+                                             metadata.slot_mapping, self.num_heads)
+            out = backend.attend_cached(q, kv_cache[0], kv_cache[1], metadata, self.scale)
+        else:
+            q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -82,11 +87,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, positions, hidden, kv_cache, metadata, backend):
-        attended = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata,
-                                  backend)
-        normed, hidden = self.post_attention_layernorm(attended, residual=hidden)
-        return hidden + self.mlp(normed)
+    def forward(self, positions, hidden, kv_cache, metadata, backend, residual=None):
+        """(MLP output, residual): the layer's output is their sum, left for the next
+        norm to add in its kernel. Given ``residual``, the input is ``hidden + residual``
+        (added inside the first norm)."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm(hidden, residual=residual)
+        attended = self.self_attn(positions, normed, kv_cache, metadata, backend)
+        normed, residual = self.post_attention_layernorm(attended, residual=residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -113,9 +124,10 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        residual = None  # every residual add happens inside a norm's kernel
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, kv_cache, metadata, backend, residual)
+        return self.norm(hidden, residual=residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

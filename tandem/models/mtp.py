@@ -71,7 +71,8 @@ class MTPLayer(nn.Module):
     ) -> torch.Tensor:
         """Returns the layer's hidden state g (pre final_norm) for each row."""
         fused = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
-        return self.block(positions, fused, kv_cache, metadata, backend)
+        out, residual = self.block(positions, fused, kv_cache, metadata, backend)
+        return out + residual
 
 
 class MTPHead(nn.Module):

@@ -54,6 +54,39 @@ def test_rotary_on_the_fused_qkv_view(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rotary_store_kv_rotates_queries_and_fills_only_the_given_slots(dtype, head_dim):
+    num_heads, num_kv_heads, tokens, num_blocks, block_size = 6, 2, 9, 5, 4
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    generator = torch.Generator().manual_seed(head_dim + 1)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim,
+                      generator=generator).to(dtype)
+    qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], -1)
+    qk, v = qk.view(tokens, -1, head_dim), v.view(tokens, -1, head_dim)  # strided views
+    positions = torch.randint(0, 512, (tokens,), generator=generator)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens]
+    cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
+    caches = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                         generator=generator).to(dtype)
+    got_k, got_v, want_k, want_v = caches[0, 0], caches[0, 1], caches[1, 0], caches[1, 1]
+    want_k.copy_(got_k)
+    want_v.copy_(got_v)
+    before = got_k.clone()
+    q = fused.rotary_store_kv(qk, v, positions, cos, sin, got_k, got_v, slots, num_heads,
+                              use_triton=True)
+    q_ref = fused.rotary_store_kv_reference(qk, v, positions, cos, sin, want_k, want_v, slots,
+                                            num_heads)
+    torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOLERANCE[dtype])
+    assert torch.equal(got_v, want_v)  # values are copied, not computed
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(got_k.view(-1, num_kv_heads, head_dim)[untouched],
+                       before.view(-1, num_kv_heads, head_dim)[untouched])
+    assert not torch.equal(got_k, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_mul(dtype):
     generator = torch.Generator().manual_seed(1)
     gate = (3 * torch.randn(5, 1536, generator=generator)).to(dtype)
