@@ -33,7 +33,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
   echo "== $stage $(date +%T)"
   case $stage in
     tests)
-      timeout "${STAGE_TIMEOUT:-290}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      timeout "${TESTS_TIMEOUT:-450}" python3 -m pytest -q -m gpu -p no:cacheprovider \
         ${GPU_TESTS:-tests/e2e/test_cuda_graphs.py tests/e2e/test_overlap.py tests/unit/test_triton_attention.py} 2>&1 \
         | grep -v Warn | tail -30 | tee "$out/gpu_tests.txt" ;;
     decode)

@@ -75,14 +75,15 @@ class ModelFiles:
 def load_model(
     files: ModelFiles, max_position: int, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> LlamaModel:
-    """Build the model on ``device`` in ``dtype`` and fill its weights."""
+    """Build the model on ``device`` in ``dtype`` and fill its weights; for inference (no
+    parameter requires grad, so the fused kernels apply in any grad mode)."""
     with torch.device(device):
         net = LlamaModel(files.arch, max_position)
     if files.is_dummy:
         _fill_dummy(net, seed)
     else:
         net.load_weights(files.iter_weights())
-    return net.to(dtype).eval()
+    return net.to(dtype).eval().requires_grad_(False)
 
 
 # ---- dummy ---------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class CudaGraphRunner:
 
     # ---- capture -------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per (padded batch size, query length), largest first so the
         smaller graphs reuse the memory pool of the larger ones."""

@@ -144,3 +144,13 @@ def test_engine_with_the_kernels_matches_the_reference_form(monkeypatch):
         for got, expected in zip(logprobs, ref_logprobs, strict=True):
             for token, entry in expected.items():
                 assert abs(got[token].logprob - entry.logprob) < 1e-5
+
+
+def test_loaded_models_need_no_grad_so_the_kernels_apply_in_any_grad_mode():
+    """The fused kernels stand aside whenever autograd may need a graph; a served model's
+    weights must therefore not require grad, or a CUDA graph captured with grad enabled
+    would hold the PyTorch forms (it did once)."""
+    from tandem.models.loader import ModelFiles, load_model
+
+    model = load_model(ModelFiles("dummy:tiny"), 64, torch.float32, torch.device("cpu"))
+    assert not any(p.requires_grad for p in model.parameters())
