@@ -71,6 +71,39 @@ class SpeculativeConfig:
 
 
 @dataclass
+class DisaggConfig:
+    """Prefill/decode disaggregation: this instance's role and how it reaches its peers.
+
+    ``mixed`` runs whole requests. A ``prefill`` instance runs prompts that decode
+    instances send it and hands over the first token, its logprobs, the MTP drafts and the
+    KV blocks; a ``decode`` instance reserves the blocks, asks a prefill instance for them
+    and decodes from there. Control messages go over ZeroMQ at ``control_host`` and
+    ``control_port`` (0: a free port); KV blocks through ``kv_connector``."""
+
+    role: str = "mixed"
+    kv_connector: str = "mooncake"
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    # A decode instance ends a request with an error when its prompt's KV has not arrived
+    # this long after it asked; a prefill instance starts no transfer later than that.
+    transfer_timeout_s: float = 30.0
+
+    ROLES = ("mixed", "prefill", "decode")
+    CONNECTORS = ("mooncake",)
+
+    def __post_init__(self) -> None:
+        if self.role not in self.ROLES:
+            raise ValueError(f"role must be one of {self.ROLES}, got {self.role!r}")
+        if self.kv_connector not in self.CONNECTORS:
+            raise ValueError(
+                f"kv_connector must be one of {self.CONNECTORS}, got {self.kv_connector!r}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if not 0 <= self.control_port < 65536:
+            raise ValueError(f"control_port must be in [0, 65535], got {self.control_port}")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs to start."""
 
@@ -87,6 +120,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, "torch", "triton"):

@@ -11,6 +11,8 @@ from tandem.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # PD decode side: blocks reserved, the prompt's KV coming from a prefill instance.
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -54,6 +56,11 @@ class Request:
     num_in_flight: int = 0
     in_flight_end: int = 0
     in_flight_samples: bool = False
+    # PD: on a decode instance, the control address of the prefill instance that computes
+    # the prompt's KV; on a prefill instance, hold_blocks keeps the blocks after the
+    # request finishes, until its KV is handed over.
+    remote_prefill: str | None = None
+    hold_blocks: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

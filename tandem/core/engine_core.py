@@ -32,7 +32,9 @@ _CUDA_GRAPH_RESERVE = 1 << 30
 class EngineCore:
     """Owns the scheduler, block manager and model runner of one engine instance."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_connector=None):
+        """``kv_connector`` (PD roles only): a KVConnector to use instead of the one that
+        ``config.disagg`` names (tests pass an in-process one)."""
         self.config = config
         files = ModelFiles(config.model)
         self.model_path = files.path
@@ -61,6 +63,8 @@ class EngineCore:
         # Overlap scheduling: the step launched but not applied yet.
         self._overlap = config.overlap
         self._in_flight: SchedulerOutput | None = None
+        # PD disaggregation: this instance's prefill or decode side (None when mixed).
+        self.pd = self._start_pd(kv_connector) if config.disagg.role != "mixed" else None
         self.counters = {
             "num_requests_added": 0,
             "num_requests_finished": 0,
@@ -70,6 +74,26 @@ class EngineCore:
             "num_steps": 0,
             "num_preemptions": 0,
         }
+
+    def _start_pd(self, connector):
+        from tandem.disagg.control import ControlChannel
+        from tandem.disagg.decode_role import DecodeRole
+        from tandem.disagg.kv_connector import make_kv_connector
+        from tandem.disagg.prefill_role import PrefillRole
+
+        disagg = self.config.disagg
+        if connector is None:
+            # A write that stalls fails within half the decode side's timeout.
+            connector = make_kv_connector(disagg.kv_connector, hostname=disagg.control_host,
+                                          timeout_s=max(disagg.transfer_timeout_s / 2, 1.0))
+        proposer = self.runner.proposer
+        connector.register(self.runner.kv_caches + (proposer.kv_caches if proposer else []))
+        channel = ControlChannel(disagg.control_host, disagg.control_port)
+        logger.info("%s instance: control channel %s, KV connector %s", disagg.role,
+                    channel.address, type(connector).__name__)
+        if disagg.role == "prefill":
+            return PrefillRole(self, channel, connector)
+        return DecodeRole(self, channel, connector, disagg.transfer_timeout_s)
 
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
         """Blocks that fit in kv_cache_memory_gb, or on CUDA in the memory left under
@@ -120,6 +144,12 @@ class EngineCore:
             )
 
     def add_request(self, request: Request) -> None:
+        """Queue a request (ValueError if it can never run here). One that names a
+        ``remote_prefill`` needs the decode role: its prompt's KV comes from there."""
+        if request.remote_prefill and self.config.disagg.role != "decode":
+            raise ValueError("this instance's role is "
+                             f"{self.config.disagg.role!r}; only a decode instance takes "
+                             "requests prefilled elsewhere")
         self.validate(request.prompt_token_ids)
         self.scheduler.add_request(request)
         self.counters["num_requests_added"] += 1
@@ -137,14 +167,29 @@ class EngineCore:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request is waiting or running, or a step is still in flight."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """True while a request is waiting or running, a step is still in flight, or (PD)
+        a handover is under way."""
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or (self.pd is not None and self.pd.busy))
+
+    @property
+    def control_address(self) -> str | None:
+        """PD roles: where peers send this instance's control messages."""
+        return self.pd.channel.address if self.pd is not None else None
 
     # ---- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
         """Schedule, run and post-process one step (with overlap: the runner queues the new
-        step's device work, then reads the one before it, which is applied here)."""
+        step's device work, then reads the one before it, which is applied here). PD roles
+        first take their peers' messages (waiting briefly when nothing else is to do)."""
+        if self.pd is None:
+            return self._step()
+        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
+        updates = self.pd.poll(wait=idle)
+        return updates + self.pd.after_step(self._step())
+
+    def _step(self) -> list[RequestUpdate]:
         step = self.scheduler.schedule()
         if not self._overlap:
             if step.is_empty:
@@ -183,6 +228,10 @@ class EngineCore:
         """Finish the step in flight and give the device memory (KV cache, CUDA graphs)
         back; the engine cannot run afterwards."""
         self.drain()
+        if self.pd is not None:
+            self.pd.close()
+            self.pd.connector.close()
+            self.pd.channel.close()
         self.runner.release()
 
     def metrics(self) -> dict[str, float]:

@@ -55,17 +55,19 @@ def update_to_list(update: RequestUpdate) -> list:
         update.finish_reason,
         update.stop_reason,
         update.num_cached_tokens,
+        update.error,
     ]
 
 
 def update_from_list(data: list) -> RequestUpdate:
-    request_id, tokens, logprobs, prompt_logprobs, finish, stop, cached = data
+    request_id, tokens, logprobs, prompt_logprobs, finish, stop, cached, error = data
 
     def as_entries(entries: list) -> list:
         return [(e[0], e[1], e[2], [tuple(t) for t in e[3]]) for e in entries]
 
     return RequestUpdate(
-        request_id, tokens, as_entries(logprobs), as_entries(prompt_logprobs), finish, stop, cached
+        request_id, tokens, as_entries(logprobs), as_entries(prompt_logprobs), finish, stop, cached,
+        error,
     )
 
 
@@ -91,14 +93,18 @@ class EngineCoreProcess:
             "num_kv_blocks": core.num_blocks,
             "block_size": core.block_manager.block_size,
             "model_path": core.model_path,
+            "role": core.config.disagg.role,
+            "control_address": core.control_address,
         }
 
     def _handle(self, message: list) -> None:
         kind = message[0]
         if kind == "add":
-            _, request_id, prompt_ids, params = message
+            _, request_id, prompt_ids, params, *rest = message
             try:
-                self.core.add_request(Request(request_id, prompt_ids, params_from_dict(params)))
+                request = Request(request_id, prompt_ids, params_from_dict(params))
+                request.remote_prefill = rest[0] if rest else None
+                self.core.add_request(request)
             except ValueError as e:
                 self.outputs.send(pack(["error", request_id, str(e)]))
         elif kind == "abort":
@@ -108,6 +114,18 @@ class EngineCoreProcess:
             self.core.finish_request(message[1], message[2])
         elif kind == "shutdown":
             self.running = False
+
+    def _pd_iteration(self) -> None:
+        """One turn of a PD instance's loop: its peers' messages are polled inside
+        ``step`` (which waits on them briefly when idle), so the inputs are not waited on."""
+        busy = self.core.has_unfinished_requests()
+        handled = self._drain_inputs(block=False)
+        if not self.running:
+            return
+        updates = self.core.step()
+        if updates or busy or handled:
+            self.outputs.send(pack(["updates", [update_to_list(u) for u in updates],
+                                    self.core.metrics()]))
 
     def _drain_inputs(self, block: bool) -> int:
         """Handle every waiting message; returns how many there were."""
@@ -122,6 +140,9 @@ class EngineCoreProcess:
     def run(self) -> None:
         self.outputs.send(pack(["ready", self.info()]))
         while self.running:
+            if self.core.pd is not None:
+                self._pd_iteration()
+                continue
             handled = self._drain_inputs(block=not self.core.has_unfinished_requests())
             if not self.running:
                 break

@@ -81,6 +81,7 @@ class RequestUpdate:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why a request that finished with "error" failed
 
 
 class Scheduler:
@@ -105,6 +106,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # PD, decode side: requests whose prompt's KV comes from a prefill instance, before
+        # their blocks are reserved (waiting_remote) and after (receiving).
+        self.waiting_remote: deque[Request] = deque()
+        self.receiving: dict[str, Request] = {}
+        # Finished requests whose blocks a KV transfer may still read or write; freed by
+        # release_held.
+        self.held: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
 
@@ -114,7 +122,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        (self.waiting_remote if request.remote_prefill else self.waiting).append(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its blocks; unknown ids are ignored."""
@@ -125,7 +133,7 @@ class Scheduler:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_remote or self.receiving)
 
     @property
     def num_running(self) -> int:
@@ -133,7 +141,52 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_remote) + len(self.receiving)
+
+    # ---- PD: requests whose prompt's KV comes from elsewhere -----------------------------
+
+    def admit_remote(self) -> list[Request]:
+        """Reserve the prompt's blocks of waiting remote-prefill requests (in order, while
+        blocks and sequence slots last); returns the requests now ready to receive KV."""
+        admitted = []
+        while self.waiting_remote and (
+                len(self.running) + len(self.receiving) < self.config.max_num_seqs):
+            request = self.waiting_remote[0]
+            if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
+                break
+            self.waiting_remote.popleft()
+            request.status = RequestStatus.WAITING_FOR_KV
+            self.receiving[request.request_id] = request
+            admitted.append(request)
+        return admitted
+
+    def insert_remote(self, request_id: str, token_id: int, logprobs: list[TokenLogprobs],
+                      prompt_logprobs: list[TokenLogprobs], num_drafts: int,
+                      num_cached_tokens: int) -> RequestUpdate | None:
+        """The prompt's KV has arrived with the first token: the request runs from here
+        (its next step verifies ``num_drafts`` drafts) unless that token already ends it.
+        Returns its update, or None when it is no longer waiting for KV."""
+        request = self.receiving.pop(request_id, None)
+        if request is None:
+            return None
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = num_cached_tokens
+        self.running.append(request)
+        self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+        request.prompt_logprobs.extend(prompt_logprobs)
+        new_tokens, new_logprobs = self._append_tokens(request, [token_id], logprobs)
+        if not request.is_finished:
+            request.num_draft_tokens = num_drafts
+        return RequestUpdate(request_id, new_tokens, new_logprobs, list(prompt_logprobs),
+                             request.finish_reason, request.stop_reason,
+                             request.num_cached_tokens)
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks of a finished request that a KV transfer was using."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.block_manager.free(request)
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -148,6 +201,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             follow_up = request.num_in_flight > 0 and request.in_flight_samples
+            if follow_up and self._ends_in_flight(request):
+                index += 1  # its sampling row in flight finishes it: no row to follow
+                continue
             if follow_up:
                 num_new, num_alloc = self._follow_up_tokens(request, budget)
             else:
@@ -195,6 +251,12 @@ class Scheduler:
 
         finished_ids, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished_ids)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The sampling row in flight emits at least one token, which reaches max_tokens
+        or the context."""
+        return (request.num_output_tokens + 1 >= request.max_tokens
+                or request.num_tokens + 1 >= self.max_model_len)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Known tokens not yet computed, plus the drafts to verify, within the budget."""
@@ -279,17 +341,8 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
             request.prompt_logprobs.extend(new_prompt_logprobs)
-            new_tokens: list[int] = []
-            new_logprobs: list[TokenLogprobs] = []
-            sampled_logprobs = runner_output.logprobs.get(request_id, [])
-            for position, token_id in enumerate(sampled):
-                request.output_token_ids.append(token_id)
-                new_tokens.append(token_id)
-                if position < len(sampled_logprobs):
-                    request.output_logprobs.append(sampled_logprobs[position])
-                    new_logprobs.append(sampled_logprobs[position])
-                if self._check_stop(request, token_id):
-                    break
+            new_tokens, new_logprobs = self._append_tokens(
+                request, sampled, runner_output.logprobs.get(request_id, []))
             if sampled and not request.is_finished:
                 request.num_draft_tokens = runner_output.num_drafts.get(request_id, 0)
             if new_tokens or new_prompt_logprobs or request.is_finished:
@@ -305,6 +358,22 @@ class Scheduler:
                     )
                 )
         return updates
+
+    def _append_tokens(self, request: Request, sampled: list[int],
+                       sampled_logprobs: list[TokenLogprobs]
+                       ) -> tuple[list[int], list[TokenLogprobs]]:
+        """Append sampled tokens (and their logprobs) up to the first that stops it."""
+        new_tokens: list[int] = []
+        new_logprobs: list[TokenLogprobs] = []
+        for position, token_id in enumerate(sampled):
+            request.output_token_ids.append(token_id)
+            new_tokens.append(token_id)
+            if position < len(sampled_logprobs):
+                request.output_logprobs.append(sampled_logprobs[position])
+                new_logprobs.append(sampled_logprobs[position])
+            if self._check_stop(request, token_id):
+                break
+        return new_tokens, new_logprobs
 
     def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
         if not num_drafts:
@@ -343,6 +412,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.waiting_remote:
+            self.waiting_remote.remove(request)
+        receiving = self.receiving.pop(request.request_id, None) is not None
         self._finished_ids.append(request.request_id)
-        self.block_manager.free(request)
+        if request.hold_blocks or receiving:
+            self.held[request.request_id] = request  # a transfer may still use the blocks
+        else:
+            self.block_manager.free(request)
         self.requests.pop(request.request_id, None)

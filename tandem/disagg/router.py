@@ -20,9 +20,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.server.protocol import error_body
+from tandem.server.protocol import PREFILL_URL_HEADER, error_body
 
-PREFILL_URL_HEADER = "x-tandem-prefill-url"
 ROLES = ("prefill", "decode")
 HEALTH_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0

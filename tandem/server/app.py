@@ -7,16 +7,24 @@ import contextlib
 import hmac
 import time
 
+import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, RequestFailed
 from tandem.server.metrics import ServerMetrics
 from tandem.server.openai_serving import RequestRun, prepare_chat, prepare_completion
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from tandem.server.protocol import (
+    PREFILL_URL_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+)
 
 DISCONNECT_POLL_S = 0.2
+# PD: how long asking a prefill instance for its control address may take.
+PREFILL_INFO_TIMEOUT_S = 5.0
 
 
 class ApiError(Exception):
@@ -98,6 +106,30 @@ def build_app(
             raise ApiError(400, str(e)) from e
         except EngineDeadError as e:
             raise ApiError(503, str(e), "service_unavailable") from e
+        except RequestFailed as e:
+            raise ApiError(502, str(e), "server_error") from e
+
+    prefill_addresses: dict[str, str] = {}  # prefill URL -> its control address
+
+    async def prefill_address(url: str) -> str:
+        """The control address of the prefill instance at ``url`` (asked once)."""
+        if client.info.get("role") != "decode":
+            raise ApiError(400, f"{PREFILL_URL_HEADER} given, but this instance's role is "
+                                f"{client.info.get('role')!r}, not 'decode'")
+        if url not in prefill_addresses:
+            try:
+                async with httpx.AsyncClient(timeout=PREFILL_INFO_TIMEOUT_S) as http:
+                    reply = await http.get(url.rstrip("/") + "/v1/disagg/info")
+                    reply.raise_for_status()
+                    info = reply.json()
+            except (httpx.HTTPError, ValueError) as e:
+                raise ApiError(502, f"prefill instance {url} did not answer: {e}",
+                               "server_error") from e
+            if info.get("role") != "prefill" or not info.get("control_address"):
+                raise ApiError(502, f"{url} is not a prefill instance (role "
+                                    f"{info.get('role')!r})", "server_error")
+            prefill_addresses[url] = info["control_address"]
+        return prefill_addresses[url]
 
     async def run(prepare, body, request: Request):
         check_model(body.model)
@@ -106,6 +138,9 @@ def build_app(
             prepared = prepare(body, client)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
+        prefill_url = request.headers.get(PREFILL_URL_HEADER)
+        if prefill_url:
+            prepared.remote_prefill = await prefill_address(prefill_url)
         return await serve(RequestRun(prepared, client, metrics, served_model_name), request)
 
     @app.post("/v1/completions", dependencies=authorized)
@@ -127,6 +162,12 @@ def build_app(
         if client.dead:
             return JSONResponse({"status": "error", "reason": client.dead}, 503)
         return {"status": "ok"}
+
+    @app.get("/v1/disagg/info")
+    async def disagg_info():
+        info = client.info
+        return {"role": info.get("role", "mixed"), "control_address": info.get("control_address"),
+                "num_kv_blocks": info.get("num_kv_blocks"), "block_size": info.get("block_size")}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -43,6 +43,10 @@ class RequestRejected(ValueError):
     """The engine core refused a request (the message says why)."""
 
 
+class RequestFailed(RuntimeError):
+    """A request ended with an error inside the engine (PD: its KV never arrived)."""
+
+
 class AsyncEngineClient:
     """Starts the engine core process and multiplexes requests over ZeroMQ."""
 
@@ -116,7 +120,15 @@ class AsyncEngineClient:
             message = unpack(await self._from_core.recv())
             if message[0] == "updates":
                 self.stats = message[2]
-                updates = [update_from_list(u) for u in message[1]]
+                updates = []
+                for update in map(update_from_list, message[1]):
+                    if update.error is None:
+                        updates.append(update)
+                        continue
+                    self.processor.abort(update.request_id)
+                    queue = self._queues.get(update.request_id)
+                    if queue is not None:
+                        queue.put_nowait(RequestFailed(update.error))
                 outputs, stopped = self.processor.process(updates, delta=True)
                 for request_id, stop_string in stopped:
                     await self._to_core.send(pack(["finish", request_id, stop_string]))
@@ -152,9 +164,12 @@ class AsyncEngineClient:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     async def generate(
-        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        remote_prefill: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its delta outputs; aborts it if the caller stops early."""
+        """Submit a request and yield its delta outputs; aborts it if the caller stops early.
+        ``remote_prefill`` (decode instances): the control address of the prefill instance
+        that computes the prompt's KV."""
         if self.dead:
             raise EngineDeadError(self.dead)
         self.validate_prompt(prompt_token_ids, params)
@@ -166,7 +181,8 @@ class AsyncEngineClient:
         finished = False
         try:
             await self._to_core.send(
-                pack(["add", request_id, prompt_token_ids, params_to_dict(params)])
+                pack(["add", request_id, prompt_token_ids, params_to_dict(params),
+                      remote_prefill])
             )
             while not finished:
                 item = await queue.get()

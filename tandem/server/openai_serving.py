@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from tandem.outputs import PositionLogprobs, RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.server.engine_client import AsyncEngineClient
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, RequestFailed
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
 @dataclass
@@ -26,6 +26,8 @@ class PreparedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    # PD: the control address of the prefill instance that computes the prompt's KV.
+    remote_prefill: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -73,7 +75,8 @@ class RequestRun:
         p = self.prepared
         start = time.monotonic()
         last = start
-        async for output in self.client.generate(p.prompt, p.prompt_token_ids, p.params):
+        async for output in self.client.generate(p.prompt, p.prompt_token_ids, p.params,
+                                                 p.remote_prefill):
             now = time.monotonic()
             new_tokens = len(output.outputs[0].token_ids)
             if new_tokens:
@@ -189,16 +192,22 @@ class RequestRun:
             yield _sse(self._envelope(
                 [self._choice("", [], None, None, chunk=True, first=True)], chunk=True))
             first = False
-        async for output in self.outputs():
-            completion = output.outputs[0]
-            if not completion.text and not completion.token_ids and not output.finished:
-                continue
-            choice = self._choice(completion.text, completion.token_ids, completion.logprobs,
-                                  completion.finish_reason, chunk=True, text_offset=offset,
-                                  first=first)
-            offset += len(completion.text)
-            first = False
-            yield _sse(self._envelope([choice], chunk=True))
+        try:
+            async for output in self.outputs():
+                completion = output.outputs[0]
+                if not completion.text and not completion.token_ids and not output.finished:
+                    continue
+                choice = self._choice(completion.text, completion.token_ids,
+                                      completion.logprobs, completion.finish_reason,
+                                      chunk=True, text_offset=offset, first=first)
+                offset += len(completion.text)
+                first = False
+                yield _sse(self._envelope([choice], chunk=True))
+        except (RequestFailed, EngineDeadError) as e:
+            # The stream has begun (status 200 sent): the error is its last event.
+            yield _sse(error_body(str(e), "server_error", 500))
+            yield "data: [DONE]\n\n"
+            return
         if self.prepared.include_usage:
             yield _sse({**self._envelope([], chunk=True), "usage": self.usage()})
         yield "data: [DONE]\n\n"

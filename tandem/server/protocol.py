@@ -122,6 +122,11 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+# PD: the header by which a router names the prefill instance (its base URL) of a request
+# that it sends to a decode instance.
+PREFILL_URL_HEADER = "x-tandem-prefill-url"
+
+
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
     """The OpenAI error schema."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -244,6 +244,53 @@ class ModelRunner:
         state.drafts = state.draft_probs = state.pending_token = None
         return state
 
+    # ---- PD: a request's state handed from a prefill instance to a decode instance ------
+
+    def export_handoff(self, request_id: str) -> dict:
+        """What the decode instance needs beyond the KV to continue a request exactly as
+        this instance would: its MTP drafts (and their distributions when sampled) and its
+        sampling generator's state. Reads the device; call once the step is done."""
+        state = self.states.get(request_id)
+        if state is None:
+            raise RuntimeError(f"request {request_id!r} has no runner state to hand over")
+        handoff: dict = {"drafts": [], "draft_probs": None, "draft_probs_shape": None,
+                         "generator_state": None}
+        if state.drafts is not None:
+            handoff["drafts"] = state.drafts.tolist()
+        if state.draft_probs is not None:
+            probs = state.draft_probs.float().cpu().contiguous()
+            handoff["draft_probs"] = probs.numpy().tobytes()
+            handoff["draft_probs_shape"] = list(probs.shape)
+        if state.generator is not None:
+            handoff["generator_state"] = state.generator.get_state().numpy().tobytes()
+        return handoff
+
+    def insert_handoff(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                       handoff: dict, seed: int | None) -> None:
+        """Start the state of a request whose prompt KV a prefill instance wrote: every
+        prompt position is computed, the first output token is the last of ``token_ids``,
+        and the next step verifies the handed-over drafts."""
+        import numpy as np
+
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device)
+            if handoff.get("generator_state") is not None:
+                data = np.frombuffer(handoff["generator_state"], dtype=np.uint8).copy()
+                generator.set_state(torch.from_numpy(data))
+            else:
+                generator.manual_seed(seed)
+        state = RequestState(list(token_ids), num_prompt_tokens, num_prompt_tokens, generator,
+                             num_prompt_logprobs=num_prompt_tokens)
+        drafts = handoff.get("drafts") or []
+        if drafts and self.proposer is not None:
+            state.drafts = torch.tensor(drafts, dtype=torch.long, device=self.device)
+            if handoff.get("draft_probs") is not None:
+                probs = np.frombuffer(handoff["draft_probs"], dtype=np.float32).copy()
+                state.draft_probs = torch.from_numpy(probs).view(
+                    *handoff["draft_probs_shape"]).to(self.device)
+        self.states[request_id] = state
+
     # ---- one step ------------------------------------------------------------------------
 
     def _prepare(self, step: SchedulerOutput) -> StepInputs:

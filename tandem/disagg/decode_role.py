@@ -1,0 +1,162 @@
+"""The decode side of PD disaggregation, inside a decode instance's engine core.
+
+A request that names a prefill instance waits until the scheduler can reserve its prompt's
+blocks, then this side asks the prefill instance to run the prompt and write the KV into
+those blocks. When ``kv_ready`` arrives (sent only after the write completed) the request
+is inserted as running: its first token is reported with its logprobs (and the prompt
+logprobs), stop conditions apply to it at once (EOS, a stop token, max_tokens = 1 end the
+request here and free its blocks), and its next step verifies the handed-over drafts.
+
+Failures end the request with an error, never a hang: ``kv_failed``, a request that could
+not be sent, or no answer within ``transfer_timeout_s``. The blocks of a request that
+ended while its KV might still be coming (an error, a timeout, a client abort) are held
+until the prefill instance answers or a second timeout has passed, so a late write can
+never land in blocks another request uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from tandem.core.engine_proc import params_to_dict
+from tandem.core.scheduler import RequestUpdate
+from tandem.disagg.control import ControlChannel
+from tandem.disagg.kv_connector import KVConnector
+from tandem.request import RequestStatus
+
+logger = logging.getLogger("tandem.disagg")
+
+
+@dataclass
+class _Pending:
+    """A request whose prompt's KV was asked for."""
+
+    prefill: str
+    sent_at: float
+    answered: bool = False
+    cancel_sent: bool = False
+
+
+def _entries(raw: list) -> list:
+    """Logprob entries as msgpack returns them (lists) -> TokenLogprobs tuples."""
+    return [(e[0], e[1], e[2], [tuple(t) for t in e[3]]) for e in raw]
+
+
+class DecodeRole:
+    """Asks prefill instances for prompts' KV and inserts the requests when it arrives."""
+
+    def __init__(self, core, channel: ControlChannel, connector: KVConnector,
+                 timeout_s: float):
+        self.core = core
+        self.channel = channel
+        self.connector = connector
+        self.timeout_s = timeout_s
+        self._pending: dict[str, _Pending] = {}
+        self._prefix = f"{channel.address}/"  # request ids are unique per decode instance
+
+    @property
+    def busy(self) -> bool:
+        """A request is waiting for KV, or held blocks wait for their release."""
+        return bool(self._pending)
+
+    def poll(self, wait: bool) -> list[RequestUpdate]:
+        """Apply the prefill instances' answers, time requests out, release held blocks
+        and ask for the KV of requests whose blocks could be reserved."""
+        updates: list[RequestUpdate] = []
+        for message in self.channel.receive(10 if wait else 0):
+            request_id = str(message.get("request_id", "")).removeprefix(self._prefix)
+            pending = self._pending.get(request_id)
+            if pending is None:
+                continue
+            pending.answered = True
+            if message.get("type") == "kv_ready":
+                updates += self._insert(request_id, message)
+            elif message.get("type") == "kv_failed":
+                updates += self._fail(request_id, "prefill instance "
+                                      f"{pending.prefill} failed: {message.get('error')}")
+        updates += self._expire()
+        updates += self._ask()
+        return updates
+
+    def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
+        """Every update of a decode instance goes to its clients."""
+        return updates
+
+    def close(self) -> None:
+        """Nothing runs in the background on this side."""
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def _ask(self) -> list[RequestUpdate]:
+        updates = []
+        scheduler = self.core.scheduler
+        for request in scheduler.admit_remote():
+            request_id = request.request_id
+            self._pending[request_id] = _Pending(request.remote_prefill, time.monotonic())
+            sent = self.channel.send(request.remote_prefill, {
+                "type": "prefill", "request_id": self._prefix + request_id,
+                "prompt_token_ids": request.prompt_token_ids,
+                "params": params_to_dict(request.sampling_params),
+                "kv": self.connector.descriptor(),
+                "dst_blocks": list(self.core.block_manager.block_ids(request_id)),
+                "reply_to": self.channel.address, "timeout_s": self.timeout_s,
+                "sent_at": time.time(),
+            })
+            if not sent:
+                self._pending[request_id].answered = True  # nothing can come
+                updates += self._fail(request_id, "could not reach prefill instance "
+                                      f"{request.remote_prefill}")
+        return updates
+
+    def _insert(self, request_id: str, message: dict) -> list[RequestUpdate]:
+        scheduler = self.core.scheduler
+        request = scheduler.receiving.get(request_id)
+        if request is None:
+            return []  # it ended meanwhile; its held blocks are released by _expire
+        token_id = int(message["token_id"])
+        self.core.runner.insert_handoff(
+            request_id, request.prompt_token_ids + [token_id], request.num_prompt_tokens,
+            message.get("handoff") or {}, request.sampling_params.seed)
+        update = scheduler.insert_remote(
+            request_id, token_id, _entries(message.get("logprobs") or []),
+            _entries(message.get("prompt_logprobs") or []),
+            len((message.get("handoff") or {}).get("drafts") or []),
+            int(message.get("num_cached_tokens", 0)))
+        return [update] if update is not None else []
+
+    def _expire(self) -> list[RequestUpdate]:
+        updates = []
+        now = time.monotonic()
+        scheduler = self.core.scheduler
+        for request_id, pending in list(self._pending.items()):
+            if request_id in scheduler.receiving:
+                if now - pending.sent_at > self.timeout_s:
+                    updates += self._fail(request_id, "no KV from prefill instance "
+                                          f"{pending.prefill} within {self.timeout_s:g} s")
+                continue
+            if request_id in scheduler.held:
+                if not pending.answered and not pending.cancel_sent:  # aborted meanwhile
+                    self._cancel(request_id, pending)
+                if pending.answered or now - pending.sent_at > 2 * self.timeout_s:
+                    scheduler.release_held(request_id)
+                    del self._pending[request_id]
+                continue
+            del self._pending[request_id]  # running or finished with its blocks freed
+        return updates
+
+    def _cancel(self, request_id: str, pending: _Pending) -> None:
+        pending.cancel_sent = True
+        self.channel.send(pending.prefill, {"type": "cancel",
+                                            "request_id": self._prefix + request_id})
+
+    def _fail(self, request_id: str, error: str) -> list[RequestUpdate]:
+        logger.warning("request %s failed: %s", request_id, error)
+        pending = self._pending.get(request_id)
+        if pending is not None and not pending.answered:
+            self._cancel(request_id, pending)
+        scheduler = self.core.scheduler
+        scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        return [RequestUpdate(request_id, [], [], [], RequestStatus.FINISHED_ERROR.value,
+                              error=error)]

@@ -1,0 +1,180 @@
+"""The prefill side of PD disaggregation, inside a prefill instance's engine core.
+
+A decode instance sends ``{"type": "prefill", request_id, prompt_token_ids, params, kv,
+dst_blocks, reply_to, timeout_s}``. The request runs here like any other but stops after
+its first token (which is sampled, with its logprobs, and drafted from by the MTP head
+with the request's own sampling parameters) and keeps its blocks. Then, in a background
+thread, the connector writes the prompt's KV blocks (target and MTP layers) into the
+decode instance's ``dst_blocks``, and only after the write has completed the decode
+instance gets ``{"type": "kv_ready", ...}`` with the first token, its logprobs, the
+prompt logprobs, the drafts and the sampling generator's state; or ``kv_failed`` with the
+reason. Either way the blocks are freed here. A transfer is never started later than half
+the decode instance's timeout after the decode instance sent the request, so a decode instance that gave
+up on a request has not got a write coming into blocks it freed (it keeps them for a
+second timeout before reusing them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from tandem.core.engine_proc import params_from_dict
+from tandem.core.scheduler import RequestUpdate
+from tandem.disagg.control import ControlChannel
+from tandem.disagg.kv_connector import KVConnector, KVTransferError, check_compatible
+from tandem.request import Request
+
+logger = logging.getLogger("tandem.disagg")
+
+
+@dataclass
+class _Job:
+    """One request being prefilled for a decode instance."""
+
+    request_id: str
+    reply_to: str
+    kv: dict
+    dst_blocks: list[int]
+    num_prompt_tokens: int
+    deadline: float  # no transfer starts after this (monotonic seconds)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    num_cached_tokens: int = 0
+    handoff: dict | None = None
+    future: Future | None = None
+    cancelled: bool = False
+
+
+class PrefillRole:
+    """Runs prompts for decode instances and hands their first token and KV over."""
+
+    def __init__(self, core, channel: ControlChannel, connector: KVConnector):
+        self.core = core
+        self.channel = channel
+        self.connector = connector
+        self._jobs: dict[str, _Job] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-write")
+
+    @property
+    def busy(self) -> bool:
+        """A handed-over request still holds blocks here."""
+        return bool(self._jobs)
+
+    def poll(self, wait: bool) -> list[RequestUpdate]:
+        """Take new prefill requests and cancels; report finished transfers."""
+        # Idle: wait for work (briefly while transfers run, to see them end soon).
+        for message in self.channel.receive((1 if self._jobs else 10) if wait else 0):
+            kind = message.get("type")
+            if kind == "prefill":
+                self._start(message)
+            elif kind == "cancel":
+                self._cancel(message.get("request_id"))
+            else:
+                logger.warning("prefill instance: unknown control message %r", kind)
+        self._reap()
+        return []
+
+    def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
+        """Keep the updates of requests run for decode instances (they are not this
+        instance's clients'); start the KV write of those that just finished."""
+        mine = []
+        for update in updates:
+            job = self._jobs.get(update.request_id)
+            if job is None:
+                mine.append(update)
+                continue
+            job.token_ids += update.new_token_ids
+            job.logprobs += update.new_logprobs
+            job.prompt_logprobs += update.new_prompt_logprobs
+            job.num_cached_tokens = update.num_cached_tokens
+            if update.finish_reason is not None:
+                self._submit(job)
+        return mine
+
+    def close(self) -> None:
+        """Stop the transfer threads (waiting for the ones running)."""
+        self._pool.shutdown(wait=True)
+
+    # ---- one request ----------------------------------------------------------------------
+
+    def _start(self, message: dict) -> None:
+        request_id, reply_to = message["request_id"], message["reply_to"]
+        try:
+            check_compatible(self.connector.descriptor(), message["kv"])
+            params = params_from_dict(message["params"])
+            # One token here; min_tokens still bans end tokens for it if it is >= 1.
+            params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            request = Request(request_id, list(message["prompt_token_ids"]), params)
+            request.hold_blocks = True
+            self.core.add_request(request)
+        except (KVTransferError, ValueError, TypeError, KeyError) as e:
+            self._reply_failed(reply_to, request_id, f"{type(e).__name__}: {e}")
+            return
+        # Counted from when the decode instance sent it (wall clocks; a message that sat
+        # in a queue while this instance stalled has used up its time).
+        timeout = float(message.get("timeout_s", 30.0))
+        sent_at = float(message.get("sent_at", time.time()))
+        remaining = sent_at + timeout / 2 - time.time()
+        self._jobs[request_id] = _Job(request_id, reply_to, message["kv"],
+                                      list(message["dst_blocks"]), request.num_prompt_tokens,
+                                      time.monotonic() + remaining)
+
+    def _submit(self, job: _Job) -> None:
+        """The request finished its first token: write its prompt's blocks in the
+        background (the step's device work is complete: its outputs were read)."""
+        if job.cancelled or not job.token_ids or time.monotonic() > job.deadline:
+            why = "cancelled" if job.cancelled else (
+                "no token was produced" if not job.token_ids else "the transfer deadline passed")
+            self._reply_failed(job.reply_to, job.request_id, why)
+            self._drop(job)
+            return
+        block_size = self.core.block_manager.block_size
+        num_blocks = -(-job.num_prompt_tokens // block_size)
+        src_blocks = list(self.core.block_manager.block_ids(job.request_id))[:num_blocks]
+        try:
+            job.handoff = self.core.runner.export_handoff(job.request_id)
+        except RuntimeError as e:
+            self._reply_failed(job.reply_to, job.request_id, str(e))
+            self._drop(job)
+            return
+        job.future = self._pool.submit(self.connector.write_blocks, job.kv, src_blocks,
+                                       job.dst_blocks)
+
+    def _reap(self) -> None:
+        for job in [j for j in self._jobs.values() if j.future is not None and j.future.done()]:
+            error = job.future.exception()
+            if job.cancelled:
+                pass
+            elif error is not None:
+                self._reply_failed(job.reply_to, job.request_id,
+                                   f"KV transfer failed: {type(error).__name__}: {error}")
+            else:
+                self.channel.send(job.reply_to, {
+                    "type": "kv_ready", "request_id": job.request_id,
+                    "token_id": job.token_ids[0], "logprobs": job.logprobs[:1],
+                    "prompt_logprobs": job.prompt_logprobs,
+                    "num_cached_tokens": job.num_cached_tokens, "handoff": job.handoff,
+                })
+            self._drop(job)
+
+    def _cancel(self, request_id: str | None) -> None:
+        job = self._jobs.get(request_id)
+        if job is None:
+            return
+        job.cancelled = True
+        if job.future is None:  # not transferring: end it now
+            self.core.abort_request(request_id)
+            self._drop(job)
+
+    def _drop(self, job: _Job) -> None:
+        self._jobs.pop(job.request_id, None)
+        self.core.scheduler.release_held(job.request_id)
+
+    def _reply_failed(self, reply_to: str, request_id: str, error: str) -> None:
+        logger.warning("prefill for %s failed: %s", request_id, error)
+        self.channel.send(reply_to, {"type": "kv_failed", "request_id": request_id,
+                                     "error": error})

@@ -1,0 +1,216 @@
+"""PD disaggregation at the engine-core level, in one process: a prefill core and a decode
+core joined by their ZeroMQ control channels and an in-process KV connector. What a
+decode instance reports equals what a mixed instance reports (tokens, logprobs, prompt
+logprobs, finish reasons; greedy and seeded, with and without MTP); the first token can end
+a request on the decode side at once; failures end requests with an error in bounded time;
+no block is leaked on either side.
+
+The three-process version over HTTP and the Mooncake connector is tests/e2e/test_pd_serve.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.bench.datasets import load_mtbench
+from tandem.config import CacheConfig, DisaggConfig, EngineConfig, SpeculativeConfig
+from tandem.core.engine_core import EngineCore
+from tandem.disagg.kv_connector import LocalKVConnector
+from tandem.request import Request
+from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import Tokenizer
+
+MAX_TOKENS = 16
+NUM_BLOCKS = 256
+LOGPROB_TOLERANCE = 1e-4
+
+
+def _config(role: str, mtp: bool, timeout_s: float = 30.0) -> EngineConfig:
+    spec = SpeculativeConfig("mtp", 3) if mtp else SpeculativeConfig()
+    return EngineConfig(cache=CacheConfig(num_blocks=NUM_BLOCKS), speculative=spec,
+                        disagg=DisaggConfig(role=role, transfer_timeout_s=timeout_s))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tandem.models.loader import resolve_model
+
+    return Tokenizer.from_model_path(resolve_model(None))
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    questions = [q["turns"][0] for q in load_mtbench()[2::5]][:16]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "mtp"])
+def cores(request):
+    """(mixed, prefill, decode) engine cores; the module shares them per mode."""
+    mtp = request.param
+    registry: dict = {}
+    mixed = EngineCore(_config("mixed", mtp))
+    prefill = EngineCore(_config("prefill", mtp), LocalKVConnector(registry, "prefill"))
+    decode = EngineCore(_config("decode", mtp), LocalKVConnector(registry, "decode"))
+    yield mixed, prefill, decode
+    for core in (mixed, prefill, decode):
+        core.shutdown()
+
+
+def _params(tokenizer, **kwargs) -> SamplingParams:
+    kwargs.setdefault("max_tokens", MAX_TOKENS)
+    return SamplingParams(eos_token_ids=frozenset(tokenizer.end_token_ids), **kwargs)
+
+
+def _run(engines: list[EngineCore], watch: EngineCore, ids: set[str],
+         deadline_s: float = 120.0) -> dict[str, dict]:
+    """Step every engine until ``watch`` has finished ``ids``; the updates it reported."""
+    results = {i: {"tokens": [], "logprobs": [], "prompt_logprobs": [], "finish": None,
+                   "stop": None, "error": None} for i in ids}
+    start = time.monotonic()
+    while any(r["finish"] is None for r in results.values()):
+        assert time.monotonic() - start < deadline_s, "requests did not finish in time"
+        for engine in engines:
+            updates = engine.step()
+            if engine is not watch:
+                continue
+            for update in updates:
+                result = results.get(update.request_id)
+                if result is None:
+                    continue
+                result["tokens"] += update.new_token_ids
+                result["logprobs"] += update.new_logprobs
+                result["prompt_logprobs"] += update.new_prompt_logprobs
+                if update.finish_reason is not None:
+                    result.update(finish=update.finish_reason, stop=update.stop_reason,
+                                  error=update.error)
+    return results
+
+
+def _settle(engines: list[EngineCore], seconds: float = 0.0) -> None:
+    """Step until no engine has work left (held blocks released)."""
+    end = time.monotonic() + 60 + seconds
+    while any(e.has_unfinished_requests() for e in engines):
+        assert time.monotonic() < end, "engines did not settle"
+        for engine in engines:
+            engine.step()
+
+
+def _assert_no_leak(*engines: EngineCore) -> None:
+    for engine in engines:
+        assert not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free_blocks == engine.num_blocks, engine.config.disagg
+        assert not engine.scheduler.held
+
+
+def _submit(engine: EngineCore, ids: list[str], prompts, params, remote: str | None):
+    for request_id, prompt, param in zip(ids, prompts, params, strict=True):
+        request = Request(request_id, list(prompt), param)
+        request.remote_prefill = remote
+        engine.add_request(request)
+
+
+def _compare(got: dict, want: dict) -> None:
+    for request_id, w in want.items():
+        g = got[request_id]
+        assert g["tokens"] == w["tokens"], request_id
+        assert (g["finish"], g["stop"], g["error"]) == (w["finish"], w["stop"], None)
+        for kind in ("logprobs", "prompt_logprobs"):
+            assert len(g[kind]) == len(w[kind])
+            for (gt, glp, grank, gtop), (wt, wlp, wrank, wtop) in zip(g[kind], w[kind],
+                                                                     strict=True):
+                assert (gt, grank) == (wt, wrank)
+                assert abs(glp - wlp) <= LOGPROB_TOLERANCE
+                assert [t for t, _ in gtop] == [t for t, _ in wtop]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_decode_instance_reports_what_a_mixed_instance_reports(cores, prompts, tokenizer,
+                                                               sampling):
+    mixed, prefill, decode = cores
+    if sampling == "greedy":
+        params = [_params(tokenizer, temperature=0.0, logprobs=3, prompt_logprobs=2)] * 16
+    else:
+        params = [_params(tokenizer, temperature=0.8, top_p=0.95, seed=7 + i, logprobs=2)
+                  for i in range(16)]
+    ids = [f"{sampling}-{i}" for i in range(16)]
+    _submit(mixed, ids, prompts, params, None)
+    want = _run([mixed], mixed, set(ids))
+    drafts_before = decode.scheduler.spec_num_drafts
+    _submit(decode, ids, prompts, params, prefill.control_address)
+    got = _run([prefill, decode], decode, set(ids))
+    _compare(got, want)
+    if decode.runner.proposer is not None:  # each first step verified handed-over drafts
+        assert decode.scheduler.spec_num_drafts - drafts_before >= len(ids)
+    assert all(len(got[i]["logprobs"]) == len(got[i]["tokens"]) for i in ids)
+    if sampling == "greedy":  # every prompt token but the first has its logprobs
+        assert all(len(got[i]["prompt_logprobs"]) == len(p) - 1 for i, p in zip(ids, prompts))
+    _settle([prefill, decode])
+    _assert_no_leak(prefill, decode)
+
+
+def test_first_token_ends_the_request_on_the_decode_side(cores, prompts, tokenizer):
+    """EOS as the first token (a stop token id holding the token the model produces
+    first), max_tokens = 1: the decode side finishes at once, with that token's logprobs."""
+    mixed, prefill, decode = cores
+    _submit(mixed, ["probe"], prompts[:1], [_params(tokenizer, temperature=0.0, max_tokens=1)],
+            None)
+    first = _run([mixed], mixed, {"probe"})["probe"]["tokens"][0]
+    cases = {
+        "eos-first": _params(tokenizer, temperature=0.0, stop_token_ids=[first], logprobs=1),
+        "one-token": _params(tokenizer, temperature=0.0, max_tokens=1, logprobs=1),
+    }
+    _submit(decode, list(cases), prompts[:1] * 2, list(cases.values()), prefill.control_address)
+    got = _run([prefill, decode], decode, set(cases))
+    assert got["eos-first"]["tokens"] == [first]
+    assert (got["eos-first"]["finish"], got["eos-first"]["stop"]) == ("stop", first)
+    assert got["one-token"]["tokens"] == [first] and got["one-token"]["finish"] == "length"
+    for result in got.values():
+        assert len(result["logprobs"]) == 1 and result["logprobs"][0][0] == first
+    _settle([prefill, decode])
+    _assert_no_leak(prefill, decode)
+
+
+def test_silent_prefill_instance_times_out_with_an_error(cores, prompts, tokenizer):
+    """A prefill instance that never answers (never stepped here): the request ends with an
+    error after the decode side's timeout (2 s here), and its blocks come back after a
+    second timeout, when no late write can arrive."""
+    _, prefill, decode = cores
+    decode.pd.timeout_s = 2.0
+    start = time.monotonic()
+    _submit(decode, ["silent"], prompts[:1], [_params(tokenizer, temperature=0.0)],
+            prefill.control_address)
+    result = _run([decode], decode, {"silent"})["silent"]
+    elapsed = time.monotonic() - start
+    assert result["finish"] == "error" and "within 2 s" in result["error"]
+    assert 2.0 <= elapsed < 4.0
+    assert decode.block_manager.num_free_blocks < decode.num_blocks  # held, not reused
+    _settle([decode])
+    assert time.monotonic() - start >= 4.0
+    decode.pd.timeout_s = 30.0
+    # The prefill instance now receives the stale request and the cancel: it must not
+    # leak either.
+    _settle([prefill, decode])
+    _assert_no_leak(prefill, decode)
+
+
+def test_unreachable_prefill_and_aborts_leak_nothing(cores, prompts, tokenizer):
+    _, prefill, decode = cores
+    params = [_params(tokenizer, temperature=0.0)] * 3
+    _submit(decode, ["abort-a", "abort-b", "abort-c"], prompts[:3], params,
+            prefill.control_address)
+    decode.step()  # asks the prefill instance for all three
+    decode.abort_request("abort-a")  # before any KV arrived
+    _run([prefill, decode], decode, {"abort-b", "abort-c"})
+    _settle([prefill, decode])
+    _assert_no_leak(prefill, decode)
+
+
+def test_a_mixed_instance_refuses_remote_prefill(cores, prompts, tokenizer):
+    mixed, prefill, _ = cores
+    request = Request("refused", list(prompts[0]), _params(tokenizer))
+    request.remote_prefill = prefill.control_address
+    with pytest.raises(ValueError, match="only a decode instance"):
+        mixed.add_request(request)
