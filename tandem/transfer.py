@@ -7,6 +7,8 @@ blocking; device-to-host reads are gathered into one :class:`DeviceReader` wait 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -19,31 +21,46 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     return host.to(dtype).pin_memory().to(device, non_blocking=True)
 
 
+@dataclass
+class PendingRead:
+    """Device results whose copies to the host are queued, and the event after them."""
+
+    tensors: list[torch.Tensor]  # pinned host tensors on CUDA (filled once event is done)
+    event: torch.cuda.Event | None = None
+
+
 class DeviceReader:
-    """The one place where the host waits for the device: ``read`` copies a step's result
-    tensors to the host and waits once. ``num_waits`` counts the waits (tests and metrics
-    check that a step waits at most once)."""
+    """The one place where the host waits for the device. ``start`` queues a step's result
+    copies right behind the step (pinned host buffers, non-blocking) and records an event;
+    ``read`` waits for that event only, so the steps queued after it keep the device busy
+    while the host reads. ``num_waits`` counts the waits (tests check one per step)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.num_waits = 0
 
-    def read(self, tensors: list[torch.Tensor]) -> list[list]:
-        """Host lists of ``tensors``, after a single wait for the device."""
+    def start(self, tensors: list[torch.Tensor]) -> PendingRead:
+        """Queue the copies of ``tensors`` to the host (no wait)."""
+        if self.device.type != "cuda":
+            return PendingRead(list(tensors))
+        host = [t.to("cpu", non_blocking=True) for t in tensors]
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return PendingRead(host, event)
+
+    def read(self, pending: PendingRead) -> list[list]:
+        """Host lists of a started read, after a single wait for its event."""
         self.num_waits += 1
-        if self.device.type == "cuda":
-            host = [t.to("cpu", non_blocking=True) for t in tensors]
+        if pending.event is not None:
             # The one intended wait: exempt from torch's sync debug mode, which a test
             # turns on to catch every other synchronization.
             debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(0)
             try:
-                torch.cuda.current_stream(self.device).synchronize()
+                pending.event.synchronize()
             finally:
                 torch.cuda.set_sync_debug_mode(debug_mode)
-        else:
-            host = tensors
-        return [t.tolist() for t in host]
+        return [t.tolist() for t in pending.tensors]
 
 
 def copy_to(destination: torch.Tensor, values: list) -> None:

@@ -83,9 +83,12 @@ class EngineCore:
 
         disagg = self.config.disagg
         if connector is None:
-            # A write that stalls fails within half the decode side's timeout.
-            connector = make_kv_connector(disagg.kv_connector, hostname=disagg.control_host,
-                                          timeout_s=max(disagg.transfer_timeout_s / 2, 1.0))
+            options = {}
+            if disagg.kv_connector == "mooncake":
+                # A write that stalls fails within half the decode side's timeout.
+                options = {"hostname": disagg.control_host,
+                           "timeout_s": max(disagg.transfer_timeout_s / 2, 1.0)}
+            connector = make_kv_connector(disagg.kv_connector, **options)
         proposer = self.runner.proposer
         connector.register(self.runner.kv_caches + (proposer.kv_caches if proposer else []))
         channel = ControlChannel(disagg.control_host, disagg.control_port)
@@ -184,10 +187,17 @@ class EngineCore:
         step's device work, then reads the one before it, which is applied here). PD roles
         first take their peers' messages (waiting briefly when nothing else is to do)."""
         if self.pd is None:
-            return self._step()
-        idle = not self.scheduler.has_unfinished_requests() and self._in_flight is None
-        updates = self.pd.poll(wait=idle)
-        return updates + self.pd.after_step(self._step())
+            updates = self._step()
+        else:
+            scheduler = self.scheduler
+            idle = not (scheduler.running or scheduler.waiting or self._in_flight is not None)
+            updates = self.pd.poll(wait=idle)  # nothing to compute: wait for peers, briefly
+            updates += self.pd.after_step(self._step())
+        if self._in_flight is None:
+            # No step holds the requests that just ended: the runner forgets them now
+            # rather than at the next step, which may never come.
+            self.runner.drop_requests(self.scheduler.take_finished_ids())
+        return updates
 
     def _step(self) -> list[RequestUpdate]:
         step = self.scheduler.schedule()
@@ -249,4 +259,5 @@ class EngineCore:
             "spec_decode_num_draft_tokens": self.scheduler.spec_num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.scheduler.spec_num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.scheduler.spec_accepted_per_pos),
+            **(self.pd.counters if self.pd is not None else {}),
         }

@@ -135,6 +135,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_remote or self.receiving)
 
+    def take_finished_ids(self) -> list[str]:
+        """The requests finished since the last step was scheduled (which the next step
+        would report), now; they are not reported again."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
+
     @property
     def num_running(self) -> int:
         return len(self.running)

@@ -8,7 +8,8 @@ logprobs), stop conditions apply to it at once (EOS, a stop token, max_tokens = 
 request here and free its blocks), and its next step verifies the handed-over drafts.
 
 Failures end the request with an error, never a hang: ``kv_failed``, a request that could
-not be sent, or no answer within ``transfer_timeout_s``. The blocks of a request that
+not be sent, or no answer within ``transfer_timeout_s`` (counted from the request, and
+again from the prefill instance's ``transferring``: the write itself must end in time). The blocks of a request that
 ended while its KV might still be coming (an error, a timeout, a client abort) are held
 until the prefill instance answers or a second timeout has passed, so a late write can
 never land in blocks another request uses.
@@ -54,6 +55,9 @@ class DecodeRole:
         self.connector = connector
         self.timeout_s = timeout_s
         self._pending: dict[str, _Pending] = {}
+        # Handoff latency: from asking a prefill instance to its KV and first token here.
+        self.counters = {"pd_handoffs": 0, "pd_handoff_s_sum": 0.0, "pd_handoff_s_max": 0.0,
+                         "pd_failures": 0}
         self._prefix = f"{channel.address}/"  # request ids are unique per decode instance
 
     @property
@@ -70,8 +74,16 @@ class DecodeRole:
             pending = self._pending.get(request_id)
             if pending is None:
                 continue
+            if message.get("type") == "transferring":  # its prefill is done: the clock
+                pending.sent_at = time.monotonic()     # restarts for the write
+                continue
             pending.answered = True
             if message.get("type") == "kv_ready":
+                latency = time.monotonic() - pending.sent_at
+                self.counters["pd_handoffs"] += 1
+                self.counters["pd_handoff_s_sum"] += latency
+                self.counters["pd_handoff_s_max"] = max(self.counters["pd_handoff_s_max"],
+                                                        latency)
                 updates += self._insert(request_id, message)
             elif message.get("type") == "kv_failed":
                 updates += self._fail(request_id, "prefill instance "
@@ -102,7 +114,6 @@ class DecodeRole:
                 "kv": self.connector.descriptor(),
                 "dst_blocks": list(self.core.block_manager.block_ids(request_id)),
                 "reply_to": self.channel.address, "timeout_s": self.timeout_s,
-                "sent_at": time.time(),
             })
             if not sent:
                 self._pending[request_id].answered = True  # nothing can come
@@ -152,6 +163,7 @@ class DecodeRole:
                                             "request_id": self._prefix + request_id})
 
     def _fail(self, request_id: str, error: str) -> list[RequestUpdate]:
+        self.counters["pd_failures"] += 1
         logger.warning("request %s failed: %s", request_id, error)
         pending = self._pending.get(request_id)
         if pending is not None and not pending.answered:

@@ -162,12 +162,17 @@ class LocalKVConnector(KVConnector):
 
 
 def make_kv_connector(kind: str, **options) -> KVConnector:
-    """A connector of ``kind``: "mooncake" (options of MooncakeKVConnector) or "local"
-    (options ``registry`` and ``name``)."""
+    """A connector of ``kind``: "mooncake" (options of MooncakeKVConnector), "cuda_ipc" (between
+    processes on one GPU host; no options) or "local" (options ``registry`` and ``name``)."""
     if kind == "local":
         return LocalKVConnector(**options)
     if kind == "mooncake":
         from tandem.disagg.mooncake_connector import MooncakeKVConnector
 
         return MooncakeKVConnector(**options)
-    raise ValueError(f"kind: unknown KV connector {kind!r} (expected 'mooncake' or 'local')")
+    if kind == "cuda_ipc":
+        from tandem.disagg.cuda_ipc_connector import CudaIpcKVConnector
+
+        return CudaIpcKVConnector(**options)
+    raise ValueError(f"kind: unknown KV connector {kind!r} "
+                     "(expected 'mooncake', 'cuda_ipc' or 'local')")

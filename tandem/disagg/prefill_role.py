@@ -3,15 +3,15 @@
 A decode instance sends ``{"type": "prefill", request_id, prompt_token_ids, params, kv,
 dst_blocks, reply_to, timeout_s}``. The request runs here like any other but stops after
 its first token (which is sampled, with its logprobs, and drafted from by the MTP head
-with the request's own sampling parameters) and keeps its blocks. Then, in a background
-thread, the connector writes the prompt's KV blocks (target and MTP layers) into the
-decode instance's ``dst_blocks``, and only after the write has completed the decode
-instance gets ``{"type": "kv_ready", ...}`` with the first token, its logprobs, the
+with the request's own sampling parameters) and keeps its blocks. Then this side tells the
+decode instance ``{"type": "transferring"}`` (its timeout starts again from there) and,
+in a background thread, the connector writes the prompt's KV blocks (target and MTP
+layers) into the decode instance's ``dst_blocks``; only after the write has completed the
+decode instance gets ``{"type": "kv_ready", ...}`` with the first token, its logprobs, the
 prompt logprobs, the drafts and the sampling generator's state; or ``kv_failed`` with the
-reason. Either way the blocks are freed here. A transfer is never started later than half
-the decode instance's timeout after the decode instance sent the request, so a decode instance that gave
-up on a request has not got a write coming into blocks it freed (it keeps them for a
-second timeout before reusing them).
+reason. Either way the blocks are freed here. A ``cancel`` that comes before the write
+starts ends the request here; one that comes later lets the write finish (the decode
+instance holds those blocks until it hears back, or for a second timeout).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ class _Job:
     kv: dict
     dst_blocks: list[int]
     num_prompt_tokens: int
-    deadline: float  # no transfer starts after this (monotonic seconds)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     num_cached_tokens: int = 0
     handoff: dict | None = None
+    num_bytes: int = 0  # KV bytes written (all layers, keys and values)
     future: Future | None = None
     cancelled: bool = False
 
@@ -57,6 +57,8 @@ class PrefillRole:
         self.channel = channel
         self.connector = connector
         self._jobs: dict[str, _Job] = {}
+        self.counters = {"pd_kv_transfers": 0, "pd_kv_bytes": 0, "pd_kv_transfer_s": 0.0,
+                         "pd_failures": 0}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-write")
 
     @property
@@ -114,21 +116,14 @@ class PrefillRole:
         except (KVTransferError, ValueError, TypeError, KeyError) as e:
             self._reply_failed(reply_to, request_id, f"{type(e).__name__}: {e}")
             return
-        # Counted from when the decode instance sent it (wall clocks; a message that sat
-        # in a queue while this instance stalled has used up its time).
-        timeout = float(message.get("timeout_s", 30.0))
-        sent_at = float(message.get("sent_at", time.time()))
-        remaining = sent_at + timeout / 2 - time.time()
         self._jobs[request_id] = _Job(request_id, reply_to, message["kv"],
-                                      list(message["dst_blocks"]), request.num_prompt_tokens,
-                                      time.monotonic() + remaining)
+                                      list(message["dst_blocks"]), request.num_prompt_tokens)
 
     def _submit(self, job: _Job) -> None:
         """The request finished its first token: write its prompt's blocks in the
         background (the step's device work is complete: its outputs were read)."""
-        if job.cancelled or not job.token_ids or time.monotonic() > job.deadline:
-            why = "cancelled" if job.cancelled else (
-                "no token was produced" if not job.token_ids else "the transfer deadline passed")
+        if job.cancelled or not job.token_ids:
+            why = "cancelled" if job.cancelled else "no token was produced"
             self._reply_failed(job.reply_to, job.request_id, why)
             self._drop(job)
             return
@@ -141,8 +136,15 @@ class PrefillRole:
             self._reply_failed(job.reply_to, job.request_id, str(e))
             self._drop(job)
             return
-        job.future = self._pool.submit(self.connector.write_blocks, job.kv, src_blocks,
-                                       job.dst_blocks)
+        self.channel.send(job.reply_to, {"type": "transferring", "request_id": job.request_id})
+        layout = self.connector.descriptor()
+        job.num_bytes = 2 * layout["num_layers"] * layout["block_bytes"] * len(src_blocks)
+        job.future = self._pool.submit(self._timed_write, job.kv, src_blocks, job.dst_blocks)
+
+    def _timed_write(self, kv: dict, src_blocks: list[int], dst_blocks: list[int]) -> float:
+        start = time.perf_counter()
+        self.connector.write_blocks(kv, src_blocks, dst_blocks)
+        return time.perf_counter() - start
 
     def _reap(self) -> None:
         for job in [j for j in self._jobs.values() if j.future is not None and j.future.done()]:
@@ -153,6 +155,9 @@ class PrefillRole:
                 self._reply_failed(job.reply_to, job.request_id,
                                    f"KV transfer failed: {type(error).__name__}: {error}")
             else:
+                self.counters["pd_kv_transfers"] += 1
+                self.counters["pd_kv_bytes"] += job.num_bytes
+                self.counters["pd_kv_transfer_s"] += job.future.result()
                 self.channel.send(job.reply_to, {
                     "type": "kv_ready", "request_id": job.request_id,
                     "token_id": job.token_ids[0], "logprobs": job.logprobs[:1],
@@ -175,6 +180,7 @@ class PrefillRole:
         self.core.scheduler.release_held(job.request_id)
 
     def _reply_failed(self, reply_to: str, request_id: str, error: str) -> None:
+        self.counters["pd_failures"] += 1
         logger.warning("prefill for %s failed: %s", request_id, error)
         self.channel.send(reply_to, {"type": "kv_failed", "request_id": request_id,
                                      "error": error})

@@ -35,8 +35,12 @@ Grid ``(T // BLOCK_Q + B, H_kv)``, from sizes alone (no host value is read at la
 * ``BLOCK_M`` is 16 when ``max_query_len * GROUP <= 16`` (decode and short verification
   batches) and 64 otherwise: a host-side choice from an upper bound, as allowed.
 
-Not done yet: splitting a long context over several programs (flash-decoding); at a small
-batch with long contexts this grid has only ``B * H_kv`` busy programs.
+Flash-decoding: for decode and short verification tiles (``BLOCK_M = 16``) of a small
+batch, grid axis 2 splits each tile's keys into ``num_splits`` consecutive ranges (chosen on
+the host from the batch size and head count, so a CUDA graph keeps it), each program
+writing its unnormalized output with its running max and sum; a second kernel combines
+the splits. Rows with no visible key in a range leave max -inf and sum 0 there, which the
+combination weighs 0; the first range holds key 0, so every row has one finite range.
 
 Triton is imported under a guard, so this module (and tandem) imports without it; only
 calling :func:`paged_attention` needs it. On a machine without a GPU, set
@@ -94,6 +98,7 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_bt,
+        part_out_ptr, part_ml_ptr,
         GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -102,10 +107,14 @@ if triton is not None:
         BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
     ):
-        """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request."""
+        """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request; with
+        NUM_SPLITS > 1, one of that many consecutive ranges of its key tiles, whose partial
+        output, running max and sum go to ``part_out`` / ``part_ml`` for the reduction."""
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         seq = _find_request(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -137,7 +146,12 @@ if triton is not None:
         kv_end = context + tl.minimum((tile_in_seq + 1) * BLOCK_Q, q_len)
         offs_n = tl.arange(0, BLOCK_N)
         table_row = block_tables_ptr + seq * stride_bt
-        for start_n in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if NUM_SPLITS > 1:
+            tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+            kv_start = split * tiles_per_split * BLOCK_N
+            kv_end = tl.minimum(kv_end, kv_start + tiles_per_split * BLOCK_N)
+        for start_n in range(kv_start, kv_end, BLOCK_N):
             key_pos = start_n + offs_n
             key_ok = key_pos < kv_end
             block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -166,6 +180,16 @@ if triton is not None:
                                                 input_precision=DOT_PRECISION)
             m_i = m_new
 
+        if NUM_SPLITS > 1:
+            # Partials [T, H_q, NUM_SPLITS, HEAD_DIM_PAD] and [T, H_q, NUM_SPLITS, 2] (fp32).
+            part_row = (token * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+            tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
+                     mask=row_ok[:, None])
+            # A row that saw no key here stores max -inf (its loop left 0 in m_i).
+            tl.store(part_ml_ptr + part_row * 2, tl.where(l_i > 0.0, m_i, float("-inf")),
+                     mask=row_ok)
+            tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
+            return
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
@@ -173,6 +197,46 @@ if triton is not None:
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _combine_splits_kernel(out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh,
+                               stride_od, num_heads, NUM_SPLITS: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+        """One (query row, head): the splits' partial outputs weighted by exp2(m - max)."""
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        row = (token * num_heads + head) * NUM_SPLITS
+        splits = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        m = tl.load(part_ml_ptr + (row + splits) * 2)
+        lsum = tl.load(part_ml_ptr + (row + splits) * 2 + 1)
+        m_max = tl.max(m, 0)  # finite: split 0 holds key 0, visible to every row
+        weight = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+        total = tl.sum(weight * lsum, 0)
+        acc = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+        out = tl.sum(acc * weight[:, None], 0) / total
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+# Split a small batch's keys over more programs until about this many run (the H200 has
+# 132 SMs); only for decode and short verification rows, whose tiles are few.
+_TARGET_PROGRAMS = 256
+_MAX_SPLITS = 16
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, block_m: int) -> int:
+    """How many programs share one query tile's keys (flash-decoding): a host-side choice
+    from sizes alone, a power of two; 1 for prefill tiles and for batches that fill the GPU."""
+    if block_m != 16:
+        return 1
+    splits = 1
+    while splits < _MAX_SPLITS and num_seqs * num_kv_heads * splits * 2 <= _TARGET_PROGRAMS:
+        splits *= 2
+    return splits
 
 
 def paged_attention(
@@ -184,6 +248,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows ``q`` [T, H_q, D] over the paged cache.
 
@@ -192,6 +257,8 @@ def paged_attention(
     integer tensors on q's device; ``max_query_len`` is any upper bound on the query
     lengths (it only picks the tile shape). Returns [T, H_q, D] in q's dtype (fp32, bf16 or
     fp16; accumulation is fp32). Reads no device value on the host, so it never waits.
+    ``num_splits`` (a power of two; default ``num_kv_splits``) splits each decode tile's
+    keys over that many programs, combined by a second kernel.
     """
     if triton is None:
         raise RuntimeError("paged_attention needs triton (pip install triton)")
@@ -209,22 +276,38 @@ def paged_attention(
     block_m = 16 if max_query_len * group <= 16 else 64
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    splits = num_kv_splits(num_seqs, num_kv_heads, block_m) if num_splits is None else num_splits
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {splits}")
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    part_out = part_ml = out  # unused without splits
+    if splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, splits, head_dim_pad),
+                               dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32,
+                              device=q.device)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache,
         block_tables, query_start_loc, seq_lens,
         scale * _LOG2_E, num_seqs,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
+        part_out, part_ml,
         GROUP=group,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=splits,
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_ml, *out.stride(), num_heads,
+            NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
     return out
 
 

@@ -26,6 +26,7 @@ class PreparedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
     # PD: the control address of the prefill instance that computes the prompt's KV.
     remote_prefill: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
@@ -56,7 +57,8 @@ def _prepared(kind, text, token_ids, body, max_tokens, client) -> PreparedReques
     if params.max_tokens is None:
         params.max_tokens = client.info["max_model_len"] - len(token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return PreparedRequest(kind, text, token_ids, params, body.stream, include_usage)
+    return PreparedRequest(kind, text, token_ids, params, body.stream, include_usage,
+                           body.return_token_ids)
 
 
 class RequestRun:
@@ -161,6 +163,14 @@ class RequestRun:
 
     def _choice(self, text: str, tokens: list[int], logprobs, finish_reason, chunk: bool,
                 text_offset: int = 0, first: bool = False) -> dict:
+        choice = self._shaped_choice(text, tokens, logprobs, finish_reason, chunk, text_offset,
+                                     first)
+        if self.prepared.return_token_ids:
+            choice["token_ids"] = list(tokens)
+        return choice
+
+    def _shaped_choice(self, text, tokens, logprobs, finish_reason, chunk, text_offset,
+                       first) -> dict:
         lp = self._logprobs(tokens, logprobs, text_offset)
         if self.prepared.kind == "completion":
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}

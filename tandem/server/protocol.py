@@ -34,6 +34,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's extension: each choice also carries the generated token ids.
+    return_token_ids: bool = False
     user: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -17,7 +17,7 @@ from tandem.layers.sampler import LogprobsTensors, compute_logprobs
 from tandem.layers.triton_attention import TritonAttentionBackend
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
-from tandem.transfer import DeviceReader, copy_to, to_device
+from tandem.transfer import DeviceReader, PendingRead, copy_to, to_device
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
 from tandem.worker.spec.proposer import MTPProposer, ProposalRow
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
@@ -102,7 +102,7 @@ class LaunchedStep:
     sampling_rows: list[SamplingRow]
     sample: StepSample | None
     prompt_logprobs: LogprobsTensors | None
-    reads: list[torch.Tensor]
+    reads: PendingRead | None  # the step's results on their way to the host
     hidden: torch.Tensor
     output: ModelRunnerOutput
     advanced: bool  # request states were advanced at launch (plain decoding)
@@ -243,6 +243,11 @@ class ModelRunner:
         state.num_computed = row.reset_num_computed
         state.drafts = state.draft_probs = state.pending_token = None
         return state
+
+    def drop_requests(self, request_ids: list[str]) -> None:
+        """Forget ended requests (no step that holds them may be in flight)."""
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
 
     # ---- PD: a request's state handed from a prefill instance to a decode instance ------
 
@@ -402,7 +407,8 @@ class ModelRunner:
                 prompt_logprobs = self._prompt_logprobs(inputs, logits[num_sampling:])
                 reads += prompt_logprobs.tensors()
         launched = LaunchedStep(inputs, sampling_plans, sampling_rows, sample, prompt_logprobs,
-                                reads, hidden, ModelRunnerOutput(), self.proposer is None)
+                                self.reader.start(reads) if reads else None, hidden,
+                                ModelRunnerOutput(), self.proposer is None)
         if launched.advanced:
             self._advance(launched)
         return launched
@@ -423,7 +429,7 @@ class ModelRunner:
 
     def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step once, read its results and apply them."""
-        host = self.reader.read(launched.reads) if launched.reads else []
+        host = self.reader.read(launched.reads) if launched.reads is not None else []
         output = launched.output
         emitted = self._emit(launched, host, output)
         if launched.prompt_logprobs is not None:

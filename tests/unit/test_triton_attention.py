@@ -141,6 +141,41 @@ def test_launcher_takes_strided_q_and_int64_metadata(triton_attention):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 16])
+@pytest.mark.parametrize("sharp", [False, True])
+def test_split_keys_decode_and_verify_rows(triton_attention, num_splits, sharp):
+    """Flash-decoding: decode and verification rows whose keys are split over programs
+    (ranges that are empty, or hold no key a verification row may see), combined by the
+    second kernel. ``sharp`` scales the queries so most scores underflow exp2."""
+    query_lens, seq_lens = [1, 4, 1, 3], [300, 130, 17, 64]
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    batch = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+                       torch.float32, seed=num_splits)
+    if sharp:
+        batch["q"] = batch["q"] * 12.0
+    ref, _ = run_backend(TorchAttentionBackend(), batch, query_lens, seq_lens, block_size)
+    k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+    store_kv(batch["k"], batch["v"], k_cache, v_cache, batch["slots"])
+    max_blocks = max(len(t) for t in batch["tables"])
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in batch["tables"]],
+                          device=DEVICE, dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], device=DEVICE,
+                          dtype=torch.int32)
+    out = triton_attention.paged_attention(
+        batch["q"], k_cache, v_cache, tables, starts,
+        torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32), max(query_lens),
+        head_dim**-0.5, num_splits=num_splits)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_split_count_follows_the_batch(triton_attention):
+    assert triton_attention.num_kv_splits(1, 8, 16) == 16
+    assert triton_attention.num_kv_splits(8, 8, 16) == 4
+    assert triton_attention.num_kv_splits(64, 3, 16) == 1
+    assert triton_attention.num_kv_splits(1, 8, 64) == 1  # prefill tiles are not split
+
+
 def test_fp16_matches_torch(triton_attention):
     """Half inputs: fp32 accumulation, probabilities rounded to half for the P @ V dot."""
     query_lens, seq_lens = MIXED

@@ -1,0 +1,183 @@
+"""``tandem bench pd``: prefill/decode disaggregation against a mixed instance, under a load
+that mixes long prompts with running decodes.
+
+Each run starts engine-core processes through the same client the HTTP server uses: one
+mixed instance, then a prefill and a decode instance (the decode instance asks the
+prefill instance for each prompt's KV; ``--kv-connector`` moves it: ``cuda_ipc`` between
+two processes on one GPU, ``mooncake`` over TCP/RDMA). The load: ``num_decode`` requests
+with short prompts decoding ``decode_output_len`` tokens each, all from the start, and
+``num_long`` requests of ``long_prompt_len``-token prompts arriving every
+``long_interval_s``. Reported: inter-token latency (p50, p99, max) of the decoding
+requests (in a mixed instance, the long prefills share its steps), time to first token of
+the long requests, and for PD the KV transfer rate (bytes over the connector's write time)
+and the per-request handoff latency (from the prefill instance's ``transferring``, sent
+when its first token is done, to the decode instance holding the KV and that token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+
+from tandem.bench.datasets import random_requests
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def _run_one(client, prompt: list[int], params, remote: str | None, delay: float,
+                   record: dict) -> None:
+    from tandem.server.engine_client import RequestFailed
+
+    await asyncio.sleep(delay)
+    start = last = time.perf_counter()
+    try:
+        async for output in client.generate(None, prompt, params, remote):
+            now = time.perf_counter()
+            new = len(output.outputs[0].token_ids)
+            if new:
+                if record["ttft"] is None:
+                    record["ttft"] = now - start
+                else:
+                    record["itl"] += [(now - last) / new] * new
+                last = now
+                record["tokens"] += new
+    except RequestFailed as e:
+        record["error"] = str(e)
+
+
+async def _load(decode_client, remote: str | None, vocab: int, args) -> dict:
+    from tandem import SamplingParams
+
+    short = random_requests(args.num_decode, args.decode_prompt_len, args.decode_output_len,
+                            vocab, seed=1)
+    long = random_requests(args.num_long, args.long_prompt_len, args.long_output_len, vocab,
+                           seed=2)
+    records = {"decode": [], "long": []}
+    tasks = []
+    for kind, requests, delays in (
+            ("decode", short, [0.0] * len(short)),
+            ("long", long, [args.long_start_s + i * args.long_interval_s
+                            for i in range(len(long))])):
+        for request, delay in zip(requests, delays, strict=True):
+            record = {"ttft": None, "itl": [], "tokens": 0, "error": None}
+            records[kind].append(record)
+            params = SamplingParams(temperature=0.0, max_tokens=request.output_len,
+                                    ignore_eos=True)
+            tasks.append(_run_one(decode_client, request.prompt, params, remote, delay, record))
+    start = time.perf_counter()
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    itl = [x for r in records["decode"] for x in r["itl"]]
+    ttft = [r["ttft"] for r in records["long"] if r["ttft"] is not None]
+    return {
+        "elapsed_s": elapsed,
+        "errors": sum(r["error"] is not None for rs in records.values() for r in rs),
+        "decode_itl_ms": {"mean": statistics.fmean(itl) * 1000 if itl else None,
+                          "p50": (_percentile(itl, 0.5) or 0) * 1000,
+                          "p99": (_percentile(itl, 0.99) or 0) * 1000,
+                          "max": max(itl, default=0) * 1000, "count": len(itl)},
+        "long_ttft_ms": {"mean": statistics.fmean(ttft) * 1000 if ttft else None,
+                         "p99": (_percentile(ttft, 0.99) or 0) * 1000},
+        "output_tokens": sum(r["tokens"] for rs in records.values() for r in rs),
+    }
+
+
+async def _bench(args) -> dict:
+    from tandem.config import DisaggConfig
+    from tandem.llm import engine_config
+    from tandem.server.engine_client import AsyncEngineClient
+
+    base = engine_config(args.model, device=args.device, dtype=args.dtype,
+                         kv_cache_memory_gb=args.kv_cache_memory_gb,
+                         max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         speculative="mtp" if args.mtp else None,
+                         num_speculative_tokens=args.num_speculative_tokens)
+    result: dict = {"config": {k: v for k, v in vars(args).items() if k != "handler"}}
+
+    mixed = AsyncEngineClient(base)
+    await mixed.start()
+    vocab = mixed.info["vocab_size"]
+    result["mixed"] = await _load(mixed, None, vocab, args)
+    await mixed.shutdown()
+    print(f"mixed: {json.dumps(result['mixed'])}", flush=True)
+
+    def role(name: str):
+        return replace(base, disagg=DisaggConfig(role=name, kv_connector=args.kv_connector,
+                                                 transfer_timeout_s=args.transfer_timeout_s))
+
+    prefill, decode = AsyncEngineClient(role("prefill")), AsyncEngineClient(role("decode"))
+    await prefill.start()
+    await decode.start()
+    try:
+        result["pd"] = await _load(decode, prefill.info["control_address"], vocab, args)
+        await asyncio.sleep(0.5)  # the last stats frames
+        p, d = prefill.stats, decode.stats
+        seconds = p.get("pd_kv_transfer_s", 0.0)
+        result["pd"].update({
+            "kv_transfers": p.get("pd_kv_transfers", 0),
+            "kv_bytes": p.get("pd_kv_bytes", 0),
+            "kv_gb_per_s": p.get("pd_kv_bytes", 0) / seconds / 1e9 if seconds else None,
+            "kv_transfer_ms_mean": (seconds / p["pd_kv_transfers"] * 1000
+                                    if p.get("pd_kv_transfers") else None),
+            "handoff_ms_mean": (d["pd_handoff_s_sum"] / d["pd_handoffs"] * 1000
+                                if d.get("pd_handoffs") else None),
+            "handoff_ms_max": d.get("pd_handoff_s_max", 0.0) * 1000,
+            "failures": p.get("pd_failures", 0) + d.get("pd_failures", 0),
+        })
+    finally:
+        await decode.shutdown()
+        await prefill.shutdown()
+    print(f"pd: {json.dumps(result['pd'])}", flush=True)
+    return result
+
+
+def add_cli_arguments(parser) -> None:
+    """Options of ``tandem bench pd``."""
+    parser.add_argument("--model", default=None, help="GGUF file, HF directory or dummy:NAME")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--kv-connector", choices=["mooncake", "cuda_ipc"], default="mooncake")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                        help="per instance (two share one GPU)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--mtp", action="store_true", help="MTP speculative decoding on both")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--transfer-timeout-s", type=float, default=60.0)
+    parser.add_argument("--num-decode", type=int, default=32)
+    parser.add_argument("--decode-prompt-len", type=int, default=128)
+    parser.add_argument("--decode-output-len", type=int, default=256)
+    parser.add_argument("--num-long", type=int, default=16)
+    parser.add_argument("--long-prompt-len", type=int, default=2000)
+    parser.add_argument("--long-output-len", type=int, default=16)
+    parser.add_argument("--long-start-s", type=float, default=0.2)
+    parser.add_argument("--long-interval-s", type=float, default=0.1)
+    parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
+
+
+def main_from_args(args) -> int:
+    """Run ``tandem bench pd``."""
+    import torch
+
+    result = asyncio.run(_bench(args))
+    result["torch_version"] = torch.__version__
+    if args.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, f"pd-{args.device.split(':')[0]}-"
+                                          f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")
+    return 0

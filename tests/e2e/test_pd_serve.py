@@ -1,0 +1,290 @@
+"""PD disaggregation end to end: a prefill instance, a decode instance and a router, each
+its own ``tandem`` process on loopback, KV over the Mooncake Transfer Engine (TCP), next
+to a mixed instance. Through the router a client gets what the mixed instance gives
+(text, token ids, logprobs, finish reasons; streaming and not; with and without MTP); a
+first token that ends the request ends it on the decode side at once; a decode instance
+killed mid-stream, a prefill instance killed while it works, and one that stalls past the
+transfer timeout end each affected request with an error within the timeout, and leave
+no KV block held on the instances that survive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from tandem.bench.datasets import load_mtbench
+from tandem.server.protocol import PREFILL_URL_HEADER
+
+pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine (extra 'pd')")
+
+STARTUP_TIMEOUT_S = 300
+MAX_TOKENS = 16
+TRANSFER_TIMEOUT_S = 6.0
+LOGPROB_TOLERANCE = 1e-4
+ENGINE_ARGS = ["--kv-cache-memory-gb", "0.25", "--log-level", "warning"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    """Processes started together, each with a log file; stopped (killed) together."""
+
+    def __init__(self):
+        self.logs = tempfile.TemporaryDirectory(prefix="tandem-pd-")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.urls: dict[str, str] = {}
+
+    def start(self, name: str, args: list[str]) -> str:
+        port = _free_port()
+        with open(os.path.join(self.logs.name, f"{name}.log"), "wb") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cli", *args, "--host", "127.0.0.1",
+                 "--port", str(port)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.urls[name] = f"http://127.0.0.1:{port}"
+        return self.urls[name]
+
+    def wait_healthy(self, *names: str) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for name in names:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{self.urls[name]}/health", timeout=2).status_code == 200:
+                        break
+                if self.procs[name].poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"{name} did not start:\n{self.log(name)}")
+                time.sleep(0.3)
+
+    def log(self, name: str) -> str:
+        with open(os.path.join(self.logs.name, f"{name}.log"), errors="replace") as f:
+            return f.read()[-3000:]
+
+    def signal(self, name: str, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.procs[name].pid, sig)
+
+    def stop(self) -> None:
+        for name in self.procs:
+            self.signal(name, signal.SIGCONT)
+            self.signal(name, signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait(10)
+        self.logs.cleanup()
+
+
+def start_pd(fleet: Fleet, mtp: bool, mixed: bool = True) -> None:
+    spec = ["--speculative", "mtp", "--num-speculative-tokens", "3"] if mtp else []
+    timeout = ["--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)]
+    if mixed:
+        fleet.start("mixed", ["serve", *ENGINE_ARGS, *spec])
+    prefill = fleet.start("prefill", ["serve", "--role", "prefill", *ENGINE_ARGS, *spec,
+                                      *timeout])
+    decode = fleet.start("decode", ["serve", "--role", "decode", *ENGINE_ARGS, *spec,
+                                    *timeout])
+    fleet.start("router", ["router", "--prefill", prefill, "--decode", decode,
+                           "--health-interval-s", "0.5", "--log-level", "warning"])
+    fleet.wait_healthy(*(["mixed"] if mixed else []), "prefill", "decode", "router")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "mtp"])
+def fleet(request):
+    fleet = Fleet()
+    try:
+        start_pd(fleet, mtp=request.param)
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture
+def broken_fleet():
+    """A fresh prefill, decode and router (no mixed instance) for tests that kill one."""
+    fleet = Fleet()
+    try:
+        start_pd(fleet, mtp=False, mixed=False)
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """16 MT-Bench questions in the chat template, as token ids."""
+    from tandem.models.loader import resolve_model
+    from tandem.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_path(resolve_model(None))
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
+            for q in load_mtbench()[3::5][:16]]
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def complete(base: str, prompt: list[int], stream: bool, headers: dict | None = None,
+             **fields) -> dict:
+    """A completion's text, token ids, logprobs and finish reason (streams are joined)."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 3,
+            "return_token_ids": True, "stream": stream, **fields}
+    result = {"text": "", "token_ids": [], "tokens": [], "token_logprobs": [],
+              "top_logprobs": [], "finish_reason": None, "error": None}
+    if not stream:
+        reply = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=120)
+        if reply.status_code != 200:
+            return {**result, "error": reply.json()["error"]["message"]}
+        choices = [reply.json()["choices"][0]]
+    else:
+        choices = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers,
+                          timeout=120) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    return {**result, "error": event["error"]["message"]}
+                choices.append(event["choices"][0])
+    for choice in choices:
+        result["text"] += choice["text"]
+        result["token_ids"] += choice["token_ids"]
+        result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            result[key] += (choice["logprobs"] or {}).get(key, [])
+    return result
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got["error"] is None, got["error"]
+    for key in ("text", "token_ids", "finish_reason", "tokens"):
+        assert got[key] == want[key], key
+    for got_lp, want_lp in zip(got["token_logprobs"], want["token_logprobs"], strict=True):
+        assert abs(got_lp - want_lp) <= LOGPROB_TOLERANCE
+    for got_top, want_top in zip(got["top_logprobs"], want["top_logprobs"], strict=True):
+        assert set(got_top) == set(want_top)
+
+
+def metrics(base: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        match = re.match(r"^([\w:]+)(?:\{[^}]*\})? (\S+)$", line)
+        if match:
+            values[match[1]] = values.get(match[1], 0.0) + float(match[2])
+    return values
+
+
+def assert_no_block_held(base: str, within_s: float) -> None:
+    """Every KV block of the instance is free again within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        m = metrics(base)
+        if (m.get("tandem:num_free_kv_blocks") == m.get("tandem:num_kv_blocks")
+                and m.get("tandem:num_requests_running") == 0
+                and m.get("tandem:num_requests_waiting") == 0):
+            return
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "kv" in k}
+        time.sleep(0.25)
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_router_gives_what_a_mixed_instance_gives(fleet, prompts, stream):
+    for prompt in prompts:
+        want = complete(fleet.urls["mixed"], prompt, stream)
+        got = complete(fleet.urls["router"], prompt, stream)
+        assert_same(got, want)
+        assert len(got["token_ids"]) == len(got["token_logprobs"]) >= 1
+    assert_no_block_held(fleet.urls["decode"], 10)
+    assert_no_block_held(fleet.urls["prefill"], 10)
+
+
+def test_first_token_that_ends_the_request(fleet, prompts):
+    """EOS as the first token (stop_token_ids holding the token the model produces first),
+    max_tokens = 1 and a stop string in the first token end the request on the decode side;
+    the first token's logprobs are there."""
+    first = complete(fleet.urls["mixed"], prompts[0], False, max_tokens=1)
+    first_id, first_text = first["token_ids"][0], first["tokens"][0]
+    eos = complete(fleet.urls["router"], prompts[0], False, stop_token_ids=[first_id])
+    assert eos["finish_reason"] == "stop" and eos["token_ids"] == [first_id]
+    assert eos["token_logprobs"] == pytest.approx(first["token_logprobs"], abs=LOGPROB_TOLERANCE)
+    one = complete(fleet.urls["router"], prompts[0], True, max_tokens=1)
+    assert one["finish_reason"] == "length" and one["token_ids"] == [first_id]
+    assert len(one["token_logprobs"]) == 1
+    stop = first_text.strip() or first_text
+    stopped = complete(fleet.urls["router"], prompts[0], False, stop=[stop])
+    assert stopped["error"] is None and stopped["finish_reason"] == "stop"
+    assert stop not in stopped["text"]
+    assert_no_block_held(fleet.urls["decode"], 10)
+    assert_no_block_held(fleet.urls["prefill"], 10)
+
+
+def test_decode_killed_mid_stream(broken_fleet, prompts):
+    urls = broken_fleet.urls
+    body = {"prompt": prompts[0], "max_tokens": 400, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}
+    events = []
+    start = time.monotonic()
+    with httpx.stream("POST", f"{urls['router']}/v1/completions", json=body,
+                      timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 3:
+                    broken_fleet.signal("decode", signal.SIGKILL)
+    assert time.monotonic() - start < 30
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+    assert_no_block_held(urls["prefill"], 10)
+
+
+def test_prefill_killed_while_it_works(broken_fleet, prompts):
+    urls = broken_fleet.urls
+    long_prompt = [t for p in prompts[:12] for t in p]  # a long prefill on the CPU
+    start = time.monotonic()
+    with httpx.Client(timeout=60) as http:
+        request = http.build_request("POST", f"{urls['router']}/v1/completions", json={
+            "prompt": long_prompt, "max_tokens": 8, "temperature": 0.0})
+        response = http.send(request, stream=True)  # sent; the decode instance asks
+        time.sleep(0.5)
+        broken_fleet.signal("prefill", signal.SIGKILL)
+        response.read()
+    elapsed = time.monotonic() - start
+    assert response.status_code == 502, response.text
+    assert "prefill" in response.json()["error"]["message"]
+    assert elapsed < TRANSFER_TIMEOUT_S + 5
+    assert_no_block_held(urls["decode"], 2 * TRANSFER_TIMEOUT_S + 5)
+
+
+def test_stalled_prefill_times_out_and_recovers(broken_fleet, prompts):
+    """Sent to the decode instance as the router sends it (the router itself would soon
+    route around the stalled instance, which its health checks find)."""
+    urls = broken_fleet.urls
+    header = {PREFILL_URL_HEADER: urls["prefill"]}
+    assert complete(urls["decode"], prompts[1], False, headers=header)["error"] is None
+    broken_fleet.signal("prefill", signal.SIGSTOP)
+    start = time.monotonic()
+    result = complete(urls["decode"], prompts[1], True, headers=header)
+    elapsed = time.monotonic() - start
+    assert result["error"] is not None and "within" in result["error"]
+    assert TRANSFER_TIMEOUT_S <= elapsed < TRANSFER_TIMEOUT_S + 5
+    broken_fleet.signal("prefill", signal.SIGCONT)
+    assert_no_block_held(urls["decode"], 2 * TRANSFER_TIMEOUT_S + 5)
+    assert_no_block_held(urls["prefill"], 10)
+    # Both instances serve on afterwards.
+    assert complete(urls["router"], prompts[1], False)["error"] is None
