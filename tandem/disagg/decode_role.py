@@ -8,8 +8,9 @@ logprobs), stop conditions apply to it at once (EOS, a stop token, max_tokens = 
 request here and free its blocks), and its next step verifies the handed-over drafts.
 
 Failures end the request with an error, never a hang: ``kv_failed``, a request that could
-not be sent, or no answer within ``transfer_timeout_s`` (counted from the request, and
-again from the prefill instance's ``transferring``: the write itself must end in time). The blocks of a request that
+not be sent, or no word within ``transfer_timeout_s`` (counted from the request, and again
+from the prefill instance's ``started`` and ``transferring``: a busy prefill instance's queue
+is not a dead one, and the write itself must end in time). The blocks of a request that
 ended while its KV might still be coming (an error, a timeout, a client abort) are held
 until the prefill instance answers or a second timeout has passed, so a late write can
 never land in blocks another request uses.
@@ -38,6 +39,7 @@ class _Pending:
     sent_at: float
     answered: bool = False
     cancel_sent: bool = False
+    transferring_at: float = 0.0  # when the prefill instance last reported progress
 
 
 def _entries(raw: list) -> list:
@@ -55,7 +57,8 @@ class DecodeRole:
         self.connector = connector
         self.timeout_s = timeout_s
         self._pending: dict[str, _Pending] = {}
-        # Handoff latency: from asking a prefill instance to its KV and first token here.
+        # Handoff latency: from the prefill instance's "transferring" to the KV and the first
+        # token here.
         self.counters = {"pd_handoffs": 0, "pd_handoff_s_sum": 0.0, "pd_handoff_s_max": 0.0,
                          "pd_failures": 0}
         self._prefix = f"{channel.address}/"  # request ids are unique per decode instance
@@ -74,18 +77,20 @@ class DecodeRole:
             pending = self._pending.get(request_id)
             if pending is None:
                 continue
-            if message.get("type") == "transferring":  # its prefill is done: the clock
-                pending.sent_at = time.monotonic()     # restarts for the write
+            if message.get("type") in ("started", "transferring"):
+                # The prefill instance runs it, then writes its KV: the clock restarts.
+                pending.sent_at = time.monotonic()
+                pending.transferring_at = pending.sent_at
                 continue
             pending.answered = True
             if message.get("type") == "kv_ready":
-                latency = time.monotonic() - pending.sent_at
+                latency = time.monotonic() - pending.transferring_at
                 self.counters["pd_handoffs"] += 1
                 self.counters["pd_handoff_s_sum"] += latency
                 self.counters["pd_handoff_s_max"] = max(self.counters["pd_handoff_s_max"],
                                                         latency)
                 updates += self._insert(request_id, message)
-            elif message.get("type") == "kv_failed":
+            elif message.get("type") == "kv_failed" and request_id in self.core.scheduler.receiving:
                 updates += self._fail(request_id, "prefill instance "
                                       f"{pending.prefill} failed: {message.get('error')}")
         updates += self._expire()
@@ -106,7 +111,8 @@ class DecodeRole:
         scheduler = self.core.scheduler
         for request in scheduler.admit_remote():
             request_id = request.request_id
-            self._pending[request_id] = _Pending(request.remote_prefill, time.monotonic())
+            now = time.monotonic()
+            self._pending[request_id] = _Pending(request.remote_prefill, now, transferring_at=now)
             sent = self.channel.send(request.remote_prefill, {
                 "type": "prefill", "request_id": self._prefix + request_id,
                 "prompt_token_ids": request.prompt_token_ids,

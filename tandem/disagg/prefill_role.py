@@ -3,7 +3,8 @@
 A decode instance sends ``{"type": "prefill", request_id, prompt_token_ids, params, kv,
 dst_blocks, reply_to, timeout_s}``. The request runs here like any other but stops after
 its first token (which is sampled, with its logprobs, and drafted from by the MTP head
-with the request's own sampling parameters) and keeps its blocks. Then this side tells the
+with the request's own sampling parameters) and keeps its blocks. When it starts running
+here the decode instance hears ``{"type": "started"}``; when the token is done, this side tells the
 decode instance ``{"type": "transferring"}`` (its timeout starts again from there) and,
 in a background thread, the connector writes the prompt's KV blocks (target and MTP
 layers) into the decode instance's ``dst_blocks``; only after the write has completed the
@@ -25,7 +26,7 @@ from tandem.core.engine_proc import params_from_dict
 from tandem.core.scheduler import RequestUpdate
 from tandem.disagg.control import ControlChannel
 from tandem.disagg.kv_connector import KVConnector, KVTransferError, check_compatible
-from tandem.request import Request
+from tandem.request import Request, RequestStatus
 
 logger = logging.getLogger("tandem.disagg")
 
@@ -46,6 +47,7 @@ class _Job:
     handoff: dict | None = None
     num_bytes: int = 0  # KV bytes written (all layers, keys and values)
     future: Future | None = None
+    started: bool = False  # the decode instance was told the request runs here
     cancelled: bool = False
 
 
@@ -77,8 +79,21 @@ class PrefillRole:
                 self._cancel(message.get("request_id"))
             else:
                 logger.warning("prefill instance: unknown control message %r", kind)
+        self._report_started()
         self._reap()
         return []
+
+    def _report_started(self) -> None:
+        """Tell decode instances which of their requests began running here (their
+        timeout restarts: a busy prefill instance's queue is not a dead one)."""
+        for job in self._jobs.values():
+            if job.started:
+                continue
+            request = self.core.scheduler.requests.get(job.request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                job.started = True
+                self.channel.send(job.reply_to, {"type": "started",
+                                                 "request_id": job.request_id})
 
     def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
         """Keep the updates of requests run for decode instances (they are not this
@@ -149,8 +164,8 @@ class PrefillRole:
     def _reap(self) -> None:
         for job in [j for j in self._jobs.values() if j.future is not None and j.future.done()]:
             error = job.future.exception()
-            if job.cancelled:
-                pass
+            if job.cancelled:  # the decode side holds the blocks until it hears back
+                self._reply_failed(job.reply_to, job.request_id, "cancelled")
             elif error is not None:
                 self._reply_failed(job.reply_to, job.request_id,
                                    f"KV transfer failed: {type(error).__name__}: {error}")
@@ -173,6 +188,7 @@ class PrefillRole:
         job.cancelled = True
         if job.future is None:  # not transferring: end it now
             self.core.abort_request(request_id)
+            self._reply_failed(job.reply_to, request_id, "cancelled")
             self._drop(job)
 
     def _drop(self, job: _Job) -> None:
