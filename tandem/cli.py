@@ -35,6 +35,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                         help="paged attention: the torch reference or the Triton kernel "
                         "(default: triton on CUDA, torch on the CPU)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="shard the model over N processes started by torchrun, one per "
+                        "rank (tandem generate only for now)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -54,13 +57,23 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "attention_backend": args.attention_backend,
         "enforce_eager": args.enforce_eager,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
 
 
 def _generate(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
 
-    llm = LLM(model=args.model, **engine_kwargs(args))
+    options = engine_kwargs(args)
+    rank = 0
+    if args.tensor_parallel_size > 1:  # one process per rank, started by torchrun
+        import torch.distributed as dist
+
+        from tandem.models.tensor_parallel import init_process_group
+
+        options["device"] = init_process_group(args.device)
+        rank = dist.get_rank()
+    llm = LLM(model=args.model, **options)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -73,6 +86,8 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     completion = output.outputs[0]
+    if rank != 0:  # every rank generated the same tokens: one prints them
+        return 0
     print(completion.text)
     print(
         f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
@@ -99,6 +114,10 @@ def _serve(args: argparse.Namespace) -> int:
     from tandem.server.app import build_app
     from tandem.server.engine_client import AsyncEngineClient
 
+    if args.tensor_parallel_size > 1:
+        # Serving needs a launcher that runs one engine per rank behind one HTTP front end
+        # and feeds every rank the same requests in the same order: not built yet.
+        raise ValueError("tandem serve does not support --tensor-parallel-size > 1 yet")
     config = replace(engine_config(args), disagg=DisaggConfig(
         role=args.role, kv_connector=args.kv_connector, control_host=args.disagg_host,
         control_port=args.disagg_port, transfer_timeout_s=args.transfer_timeout_s))

@@ -104,6 +104,23 @@ class DisaggConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` processes each run a whole engine on the
+    same inputs, and this one is ``rank`` among them. Only the model's layers communicate,
+    over the torch.distributed process group that the caller initialised."""
+
+    tensor_parallel_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise ValueError(f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs to start."""
 
@@ -121,11 +138,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.parallel.tensor_parallel_size > 1 and self.disagg.role != "mixed":
+            raise ValueError(f"role {self.disagg.role!r} with tensor_parallel_size "
+                             f"{self.parallel.tensor_parallel_size} is not supported yet "
+                             "(PD disaggregation runs one rank per instance)")
 
     def resolved_attention_backend(self) -> str:
         """The attention backend's name: as set, else triton on CUDA and torch elsewhere."""

@@ -7,7 +7,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tandem.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tandem.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tandem.core.engine_core import EngineCore
 from tandem.models.loader import resolve_model
 from tandem.output_processor import OutputProcessor
@@ -38,8 +44,10 @@ def engine_config(
     gpu_memory_utilization: float = 0.9,
     enable_prefix_caching: bool = True,
     seed: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> EngineConfig:
-    """An EngineConfig from flat options (the offline API's and the command line's)."""
+    """An EngineConfig from flat options (the offline API's and the command line's). With
+    ``tensor_parallel_size`` > 1, this process's rank is torch.distributed's."""
     return EngineConfig(
         model=model,
         device=device,
@@ -54,14 +62,27 @@ def engine_config(
         speculative=SpeculativeConfig(
             speculative, num_speculative_tokens if speculative else 0, speculative_model
         ),
+        parallel=ParallelConfig(tensor_parallel_size, _distributed_rank(tensor_parallel_size)),
     )
+
+
+def _distributed_rank(tensor_parallel_size: int) -> int:
+    """This process's rank in the initialised process group (0 when there is none: the
+    model runner then says how to start one)."""
+    if tensor_parallel_size == 1:
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class LLM:
     """Runs an engine core in this process for batch generation.
 
     ``model`` is a GGUF file, a Hugging Face directory, ``dummy:NAME`` (random weights of a
-    named architecture) or None for the default model (SmolLM2-135M-Instruct).
+    named architecture) or None for the default model (SmolLM2-135M-Instruct). With
+    ``tensor_parallel_size=N`` every one of N processes (one torch.distributed process group,
+    initialised before) builds an LLM and makes the same calls; all return the same outputs.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_options):

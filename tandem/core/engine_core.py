@@ -21,6 +21,7 @@ from tandem.config import EngineConfig
 from tandem.core.kv_cache import BlockManager
 from tandem.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerOutput
 from tandem.models.loader import ModelFiles
+from tandem.models.tensor_parallel import min_over_ranks
 from tandem.request import Request, RequestStatus
 from tandem.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
@@ -48,8 +49,12 @@ class EngineCore:
         self.runner = ModelRunner(config, files, max_len, mtp_source=spec.model if use_mtp
                                   else None, use_mtp=use_mtp)
         num_mtp_layers = self.runner.mtp_head.num_layers if use_mtp else 0
-        per_block = kv_cache_bytes_per_block(self.arch, block_size, dtype, num_mtp_layers)
+        # The runner's arch: with tensor parallelism a rank caches only its own KV heads.
+        per_block = kv_cache_bytes_per_block(self.runner.arch, block_size, dtype, num_mtp_layers)
         num_blocks = config.cache.num_blocks or self._num_kv_blocks(per_block)
+        if config.parallel.tensor_parallel_size > 1:
+            # Ranks' free memory differs; their schedulers stay in lockstep only on equal caches.
+            num_blocks = min_over_ranks(num_blocks, self.runner.device)
         self.num_blocks = num_blocks
         # One request alone must always fit, or it would preempt itself forever.
         max_len = min(max_len, num_blocks * block_size)

@@ -17,6 +17,12 @@ from tandem.layers.sampler import LogprobsTensors, compute_logprobs
 from tandem.layers.triton_attention import TritonAttentionBackend
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
+from tandem.models.tensor_parallel import (
+    check_process_group,
+    shard_model,
+    shard_mtp_head,
+    validate_tensor_parallel,
+)
 from tandem.transfer import DeviceReader, PendingRead, copy_to, to_device
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
 from tandem.worker.spec.proposer import MTPProposer, ProposalRow
@@ -140,9 +146,13 @@ class ModelRunner:
         self.dtype = getattr(torch, config.resolved_dtype_name())
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
+        rank, world_size = config.parallel.rank, config.parallel.tensor_parallel_size
+        if world_size > 1:  # fail before loading: the shapes must split, the ranks connect
+            validate_tensor_parallel(files.arch, world_size, files.path)
+            check_process_group(rank, world_size)
         self.model = load_model(files, max_model_len, self.dtype, self.device, config.seed)
-        self.arch = self.model.arch
         self.backend = _attention_backend(config.resolved_attention_backend())
+        # Every rank seeds alike, so all sample the same tokens from the same full logits.
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.states: dict[str, RequestState] = {}
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
@@ -151,6 +161,12 @@ class ModelRunner:
         if use_mtp:
             mtp_head = load_mtp_head(mtp_source, files, self.model.rotary, config.seed)
             self.mtp_head = mtp_head.to(device=self.device, dtype=self.dtype).eval()
+        if world_size > 1:
+            shard_model(self.model, rank, world_size, model_name=files.path)
+            if self.mtp_head is not None:
+                shard_mtp_head(self.mtp_head, rank, world_size)
+        # This rank's shapes (its KV heads alone with tensor parallelism): the cache's.
+        self.arch = self.model.arch
         self.kv_caches: list[torch.Tensor] = []
         self.proposer: MTPProposer | None = None
         self.graphs: CudaGraphRunner | None = None
