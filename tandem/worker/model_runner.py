@@ -165,6 +165,9 @@ class ModelRunner:
             shard_model(self.model, rank, world_size, model_name=files.path)
             if self.mtp_head is not None:
                 shard_mtp_head(self.mtp_head, rank, world_size)
+            if self.device.type == "cuda":
+                # Hand the whole weights' memory back: the KV cache is sized from what is free.
+                torch.cuda.empty_cache()
         # This rank's shapes (its KV heads alone with tensor parallelism): the cache's.
         self.arch = self.model.arch
         self.kv_caches: list[torch.Tensor] = []
