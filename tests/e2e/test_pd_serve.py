@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -254,19 +255,25 @@ def test_decode_killed_mid_stream(broken_fleet, prompts):
 
 
 def test_prefill_killed_while_it_works(broken_fleet, prompts):
+    """Killed while it computes the prompt (or writes its KV): the decode instance hears
+    nothing more and ends the request with an error at its timeout."""
     urls = broken_fleet.urls
-    long_prompt = [t for p in prompts[:12] for t in p]  # a long prefill on the CPU
+    long_prompt = [t for p in prompts for t in p] * 2  # ~3,600 tokens: seconds on the CPU
+    replies: list[httpx.Response] = []
+
+    def send() -> None:
+        replies.append(httpx.post(f"{urls['router']}/v1/completions", timeout=60, json={
+            "prompt": long_prompt, "max_tokens": 8, "temperature": 0.0}))
+
     start = time.monotonic()
-    with httpx.Client(timeout=60) as http:
-        request = http.build_request("POST", f"{urls['router']}/v1/completions", json={
-            "prompt": long_prompt, "max_tokens": 8, "temperature": 0.0})
-        response = http.send(request, stream=True)  # sent; the decode instance asks
-        time.sleep(0.5)
-        broken_fleet.signal("prefill", signal.SIGKILL)
-        response.read()
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.0)  # the decode instance has asked; the prefill instance is at work
+    broken_fleet.signal("prefill", signal.SIGKILL)
+    sender.join(60)
     elapsed = time.monotonic() - start
-    assert response.status_code == 502, response.text
-    assert "prefill" in response.json()["error"]["message"]
+    assert replies and replies[0].status_code == 502, replies and replies[0].text
+    assert "prefill" in replies[0].json()["error"]["message"]
     assert elapsed < TRANSFER_TIMEOUT_S + 5
     assert_no_block_held(urls["decode"], 2 * TRANSFER_TIMEOUT_S + 5)
 
