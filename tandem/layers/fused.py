@@ -194,11 +194,10 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                       stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
-                       HALF: tl.constexpr, BLOCK: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
+    def _rotate(x_ptr, pos_ptr, cos_ptr, sin_ptr, token, head, stride_xt, stride_xh, stride_c,
+                HALF: tl.constexpr, BLOCK: tl.constexpr):
+        """Both halves of one head of one token, rotated, rounded to x's dtype (as the
+        reference rounds), with the lane offsets and mask."""
         d = tl.arange(0, BLOCK)
         mask = d < HALF
         position = tl.load(pos_ptr + token).to(tl.int64)
@@ -207,9 +206,21 @@ if triton is not None:
         base = x_ptr + token * stride_xt + head * stride_xh
         x1 = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        out1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+        out2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+        return out1, out2, d, mask
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                       stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        out1, out2, d, mask = _rotate(x_ptr, pos_ptr, cos_ptr, sin_ptr, token, head,
+                                      stride_xt, stride_xh, stride_c, HALF, BLOCK)
         out = out_ptr + token * stride_ot + head * stride_oh
-        tl.store(out + d, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + HALF + d, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + d, out1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF + d, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotary_store_kv_kernel(x_ptr, v_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
@@ -220,17 +231,8 @@ if triton is not None:
                                 HALF: tl.constexpr, BLOCK: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        d = tl.arange(0, BLOCK)
-        mask = d < HALF
-        position = tl.load(pos_ptr + token).to(tl.int64)
-        cos = tl.load(cos_ptr + position * stride_c + d, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + position * stride_c + d, mask=mask, other=0.0).to(tl.float32)
-        base = x_ptr + token * stride_xt + head * stride_xh
-        x1 = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        # Rounded to the input's dtype first, as the reference rotates, then stores.
-        out1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
-        out2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+        out1, out2, d, mask = _rotate(x_ptr, pos_ptr, cos_ptr, sin_ptr, token, head,
+                                      stride_xt, stride_xh, stride_c, HALF, BLOCK)
         if head < num_q_heads:
             out = q_ptr + token * stride_qt + head * stride_qh
             tl.store(out + d, out1, mask=mask)
