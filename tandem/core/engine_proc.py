@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import traceback
 
 import msgpack
@@ -84,6 +85,7 @@ class EngineCoreProcess:
         self.outputs.connect(output_address)
         self.core = EngineCore(config)
         self.running = True
+        self._parent = os.getppid()  # the API process; if it dies, so does this one
 
     def info(self) -> dict:
         core = self.core
@@ -140,6 +142,9 @@ class EngineCoreProcess:
     def run(self) -> None:
         self.outputs.send(pack(["ready", self.info()]))
         while self.running:
+            if os.getppid() != self._parent:
+                logger.error("the API process exited; the engine core stops")
+                break
             if self.core.pd is not None:
                 self._pd_iteration()
                 continue
