@@ -55,6 +55,19 @@ class ServerMetrics:
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
             )
         }
+        # PD disaggregation (totals mirrored from the engine core of a prefill or decode
+        # instance; absent on a mixed one).
+        self.pd = {
+            key: Gauge(f"tandem:{key}", help_text, labels, registry=r)
+            for key, help_text in (
+                ("pd_kv_transfers", "KV handovers written (prefill instance)"),
+                ("pd_kv_bytes", "KV bytes written (prefill instance)"),
+                ("pd_kv_transfer_s", "Seconds spent writing KV (prefill instance)"),
+                ("pd_handoffs", "Requests whose KV arrived (decode instance)"),
+                ("pd_handoff_s_sum", "Seconds from transferring to KV ready, summed"),
+                ("pd_failures", "Handovers that failed or timed out"),
+            )
+        }
         self.spec_per_pos = Gauge(
             "tandem:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
             labels + ["position"], registry=r,
@@ -76,6 +89,9 @@ class ServerMetrics:
             self.kv_total.labels(name).set(stats.get("num_kv_blocks", 0))
             for key, gauge in self.spec.items():
                 gauge.labels(name).set(stats.get(key, 0))
+            for key, gauge in self.pd.items():
+                if key in stats:
+                    gauge.labels(name).set(stats[key])
             per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
             for position, count in enumerate(per_pos):
                 self.spec_per_pos.labels(name, str(position)).set(count)

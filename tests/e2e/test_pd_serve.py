@@ -207,11 +207,19 @@ def assert_no_block_held(base: str, within_s: float) -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_router_gives_what_a_mixed_instance_gives(fleet, prompts, stream):
+    before = metrics(fleet.urls["prefill"]), metrics(fleet.urls["decode"])
     for prompt in prompts:
         want = complete(fleet.urls["mixed"], prompt, stream)
         got = complete(fleet.urls["router"], prompt, stream)
         assert_same(got, want)
         assert len(got["token_ids"]) == len(got["token_logprobs"]) >= 1
+    time.sleep(0.5)  # the engines' last stats frames
+    after = metrics(fleet.urls["prefill"]), metrics(fleet.urls["decode"])
+    # Every prompt really went through the prefill instance and over the connector.
+    for side, key in ((0, "tandem:pd_kv_transfers"), (1, "tandem:pd_handoffs")):
+        assert after[side].get(key, 0) - before[side].get(key, 0) == len(prompts), key
+    assert after[0].get("tandem:pd_kv_bytes", 0) > before[0].get("tandem:pd_kv_bytes", 0)
+    assert after[1].get("tandem:pd_failures") == 0
     assert_no_block_held(fleet.urls["decode"], 10)
     assert_no_block_held(fleet.urls["prefill"], 10)
 
