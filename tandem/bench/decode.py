@@ -11,12 +11,12 @@ to the last. Profiling slows the host a little, so that run's wall time is repor
 from __future__ import annotations
 
 import gc
-import json
 import os
 import time
 from typing import Any
 
 from tandem.bench.datasets import load_mtbench
+from tandem.bench.results import result_path, write_json
 from tandem.bench.spec import acceptance
 from tandem.bench.timing import sync_device, timed_generate
 
@@ -258,9 +258,7 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
     results: dict = {"config": config, "runs": []}
     path = None
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(out_dir, f"decode-{device.split(':')[0]}-{stamp}.json")
+        path = result_path(out_dir, f"decode-{device.split(':')[0]}")
     for mode in modes:
         llm = _build_llm(model, mode, device, dtype, max(batch_sizes), num_speculative_tokens,
                          speculative_model, kv_cache_memory_gb)
@@ -286,8 +284,7 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
             results["runs"].append(run)
             _print_run(run)
             if path:  # after every run, so a run cut short still leaves its numbers
-                with open(path, "w") as f:
-                    json.dump(results, f, indent=2)
+                write_json(results, path)
         del llm
         _release_memory(device)
     if path:

@@ -11,12 +11,11 @@ prefill is timed alone (``max_tokens = 1``) and subtracted, so the figure is the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import time
 
 from tandem.bench.datasets import random_requests
+from tandem.bench.results import result_path, write_json
 from tandem.bench.timing import timed_generate
 
 
@@ -106,11 +105,8 @@ def run_latency_bench(model: str | None, batch_size: int, input_len: int, output
           f"{roofline_ms:.3f} ms: {result['fraction_of_roofline']:.1%}); prefill of "
           f"{input_len} tokens {result['prefill_s'] * 1000:.1f} ms", flush=True)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(out_dir, f"latency-{stamp}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        path = result_path(out_dir, "latency")
+        write_json(result, path)
         print(f"wrote {path}")
     return result
 

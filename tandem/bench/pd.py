@@ -19,18 +19,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import time
 from dataclasses import replace
 
 from tandem.bench.datasets import random_requests
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+from tandem.bench.results import result_path, write_json
+from tandem.bench.serving import latency_stats
 
 
 async def _run_one(client, prompt: list[int], params, remote: str | None, delay: float,
@@ -81,12 +75,9 @@ async def _load(decode_client, remote: str | None, vocab: int, args) -> dict:
     return {
         "elapsed_s": elapsed,
         "errors": sum(r["error"] is not None for rs in records.values() for r in rs),
-        "decode_itl_ms": {"mean": statistics.fmean(itl) * 1000 if itl else None,
-                          "p50": (_percentile(itl, 0.5) or 0) * 1000,
-                          "p99": (_percentile(itl, 0.99) or 0) * 1000,
-                          "max": max(itl, default=0) * 1000, "count": len(itl)},
-        "long_ttft_ms": {"mean": statistics.fmean(ttft) * 1000 if ttft else None,
-                         "p99": (_percentile(ttft, 0.99) or 0) * 1000},
+        "decode_itl": {**latency_stats(itl), "max_ms": max(itl, default=0) * 1000,
+                       "count": len(itl)},
+        "long_ttft": latency_stats(ttft),
         "output_tokens": sum(r["tokens"] for rs in records.values() for r in rs),
     }
 
@@ -174,10 +165,7 @@ def main_from_args(args) -> int:
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     if args.out_dir:
-        os.makedirs(args.out_dir, exist_ok=True)
-        path = os.path.join(args.out_dir, f"pd-{args.device.split(':')[0]}-"
-                                          f"{time.strftime('%Y%m%d-%H%M%S')}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        path = result_path(args.out_dir, f"pd-{args.device.split(':')[0]}")
+        write_json(result, path)
         print(f"wrote {path}")
     return 0

@@ -3,11 +3,10 @@ and tokens/s against no speculation, at given batch sizes."""
 
 from __future__ import annotations
 
-import json
 import os
-import time
 
 from tandem.bench.datasets import load_mtbench
+from tandem.bench.results import result_path, write_json
 from tandem.bench.timing import timed_generate
 
 
@@ -62,11 +61,8 @@ def run_spec_bench(model, head, k: int, batch_sizes: list[int], num_questions: i
             **acceptance(before, spec.get_metrics(), k),
         })
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(out_dir, f"spec-mtbench-k{k}-{device.split(':')[0]}-{stamp}.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
+        path = result_path(out_dir, f"spec-mtbench-k{k}-{device.split(':')[0]}")
+        write_json(results, path)
         results["output_path"] = path
     for run in results["runs"]:
         print(f"batch {run['batch_size']}: {run['tokens_per_s']:.1f} tok/s with MTP, "

@@ -14,7 +14,6 @@ import argparse
 import gc
 import importlib.metadata
 import importlib.util
-import json
 import os
 import platform
 import re
@@ -25,6 +24,7 @@ import torch
 
 from tandem.bench.datasets import BenchRequest, load_sharegpt, random_requests
 from tandem.bench.hf_reference import hf_generate_ids, load_hf_model, torch_dtype
+from tandem.bench.results import result_path, write_json
 from tandem.bench.timing import sync_device, timed_generate
 from tandem.models.loader import default_model_path
 
@@ -113,11 +113,6 @@ def _run_hf(
             bar.update(len(batch))
     sync_device(device)
     return time.perf_counter() - start
-
-
-def _write(result: dict, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
 
 
 def _machine_info(device: str, threads: int) -> dict:
@@ -233,12 +228,10 @@ def run_throughput(
         "hf": None,
         "ratio": None,
     }
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device)
-    path = os.path.join(out_dir, f"throughput-{dataset}-{safe_device}-{stamp}.json")
+    path = result_path(out_dir, f"throughput-{dataset}-{safe_device}")
     result["output_path"] = path
-    _write(result, path)  # Tandem's numbers first, in case the reference run is cut short
+    write_json(result, path)  # Tandem's numbers first, in case the reference run is cut short
     if not skip_hf:
         torch.set_num_threads(threads)
         dtype = torch_dtype(llm_kwargs.get("dtype"), device)
@@ -251,7 +244,7 @@ def run_throughput(
             key: result["tandem"][key] / result["hf"][key]
             for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
         }
-        _write(result, path)
+        write_json(result, path)
     print(markdown_table(result))
     print(f"wrote {path}")
     return result

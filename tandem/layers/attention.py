@@ -63,7 +63,6 @@ class AttentionBackend(ABC):
     ) -> AttentionMetadata:
         """Prepare per-step metadata once; every layer reuses it."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -74,7 +73,10 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Store k, v [T, H_kv, D] into the cache, then attend q [T, H_q, D]; returns [T, H_q, D]."""
+        """Store k, v [T, H_kv, D] into the cache, then attend q [T, H_q, D]; returns [T, H_q, D].
+        (Backends that attend to k and v directly override this.)"""
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend_cached(q, k_cache, v_cache, metadata, scale)
 
 
 def store_kv(
@@ -166,10 +168,6 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     attends_cache = True
-
-    def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
-        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self.attend_cached(q, k_cache, v_cache, metadata, scale)
 
     def attend_cached(self, q, k_cache, v_cache, metadata, scale):
         if len(metadata.groups) == 1 and metadata.groups[0].token_rows is None:

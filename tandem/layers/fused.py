@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.layers.attention import store_kv
+
 try:
     import triton
     import triton.language as tl
@@ -116,9 +118,7 @@ def rotary_store_kv_reference(qk, v, positions, cos, sin, k_cache, v_cache, slot
     return the rotated queries [T, H_q, D]."""
     q, k = rotary_reference(qk, positions, cos, sin).split(
         [num_q_heads, qk.shape[1] - num_q_heads], dim=1)
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
 
 

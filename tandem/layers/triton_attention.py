@@ -58,7 +58,6 @@ from tandem.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
     query_start_locations,
-    store_kv,
 )
 from tandem.transfer import to_device
 
@@ -339,11 +338,6 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     attends_cache = True
-
-    def forward(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale):
-        """Store k, v into the cache, then run the kernel over the whole ragged batch."""
-        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self.attend_cached(q, k_cache, v_cache, metadata, scale)
 
     def attend_cached(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale):
         """The kernel over the whole ragged batch; the cache holds the step's keys."""

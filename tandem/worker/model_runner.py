@@ -308,11 +308,13 @@ class ModelRunner:
                              num_prompt_logprobs=num_prompt_tokens)
         drafts = handoff.get("drafts") or []
         if drafts and self.proposer is not None:
-            state.drafts = torch.tensor(drafts, dtype=torch.long, device=self.device)
+            # Copied without a wait: a step may be in flight.
+            state.drafts = to_device(drafts, torch.long, self.device)
             if handoff.get("draft_probs") is not None:
                 probs = np.frombuffer(handoff["draft_probs"], dtype=np.float32).copy()
-                state.draft_probs = torch.from_numpy(probs).view(
-                    *handoff["draft_probs_shape"]).to(self.device)
+                state.draft_probs = to_device(
+                    torch.from_numpy(probs).view(*handoff["draft_probs_shape"]), torch.float32,
+                    self.device)
         self.states[request_id] = state
 
     # ---- one step ------------------------------------------------------------------------
