@@ -36,8 +36,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paged attention: the torch reference or the Triton kernel "
                         "(default: triton on CUDA, torch on the CPU)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="shard the model over N processes started by torchrun, one per "
-                        "rank (tandem generate only for now)")
+                        help="shard the model over N processes, one per rank (GPU r for "
+                        "rank r); tandem serve starts them, tandem generate and the "
+                        "benchmarks run under torchrun")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -63,16 +64,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def _generate(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
+    from tandem.models.tensor_parallel import join_torchrun_group
 
     options = engine_kwargs(args)
-    rank = 0
-    if args.tensor_parallel_size > 1:  # one process per rank, started by torchrun
-        import torch.distributed as dist
-
-        from tandem.models.tensor_parallel import init_process_group
-
-        options["device"] = init_process_group(args.device)
-        rank = dist.get_rank()
+    options["device"], rank = join_torchrun_group(args.device, args.tensor_parallel_size)
     llm = LLM(model=args.model, **options)
     params = SamplingParams(
         temperature=args.temperature,
@@ -114,10 +109,6 @@ def _serve(args: argparse.Namespace) -> int:
     from tandem.server.app import build_app
     from tandem.server.engine_client import AsyncEngineClient
 
-    if args.tensor_parallel_size > 1:
-        # Serving needs a launcher that runs one engine per rank behind one HTTP front end
-        # and feeds every rank the same requests in the same order: not built yet.
-        raise ValueError("tandem serve does not support --tensor-parallel-size > 1 yet")
     config = replace(engine_config(args), disagg=DisaggConfig(
         role=args.role, kv_connector=args.kv_connector, control_host=args.disagg_host,
         control_port=args.disagg_port, transfer_timeout_s=args.transfer_timeout_s))

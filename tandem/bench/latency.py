@@ -105,7 +105,8 @@ def run_latency_bench(model: str | None, batch_size: int, input_len: int, output
           f"{roofline_ms:.3f} ms: {result['fraction_of_roofline']:.1%}); prefill of "
           f"{input_len} tokens {result['prefill_s'] * 1000:.1f} ms", flush=True)
     if out_dir:
-        path = result_path(out_dir, "latency")
+        tp = engine_options.get("tensor_parallel_size", 1)
+        path = result_path(out_dir, "latency" + (f"-tp{tp}" if tp > 1 else ""))
         write_json(result, path)
         print(f"wrote {path}")
     return result
@@ -134,14 +135,21 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: one more run under the profiler; top device ops per step")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N ranks, one process each, started by torchrun")
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
 
 
 def main_from_args(args: argparse.Namespace) -> int:
-    """Run ``tandem bench latency``."""
+    """Run ``tandem bench latency`` (under torchrun with --tensor-parallel-size > 1: rank 0
+    writes the result; the roofline is then one rank's weight bytes)."""
+    from tandem.models.tensor_parallel import join_torchrun_group
+
+    device, rank = join_torchrun_group(args.device, args.tensor_parallel_size)
     run_latency_bench(args.model, args.batch_size, args.input_len, args.output_len,
-                      args.num_iters, args.bandwidth_tbps, args.out_dir, profile=args.profile,
-                      device=args.device,
+                      args.num_iters, args.bandwidth_tbps, args.out_dir if rank == 0 else None,
+                      profile=args.profile, device=device,
                       dtype=args.dtype, enforce_eager=args.enforce_eager,
-                      overlap=not args.no_overlap)
+                      overlap=not args.no_overlap,
+                      tensor_parallel_size=args.tensor_parallel_size)
     return 0

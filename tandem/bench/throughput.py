@@ -41,12 +41,14 @@ def build_requests(
     max_prompt_len: int,
     max_output_len: int,
     seed: int,
+    vocab_size: int | None = None,
 ) -> list[BenchRequest]:
     """The benchmark's requests, each with a token-id prompt.
 
     ``sharegpt`` samples conversations (prompt <= ``max_prompt_len`` tokens, output capped at
     ``max_output_len``); ``random`` makes prompts of exactly ``max_prompt_len`` random token
-    ids, each asking for exactly ``max_output_len`` tokens.
+    ids (below ``vocab_size``, default the tokenizer's), each asking for exactly
+    ``max_output_len`` tokens.
     """
     if dataset == "sharegpt":
         reqs = load_sharegpt(
@@ -59,7 +61,7 @@ def build_requests(
         )
         return [BenchRequest(tokenizer.encode(r.prompt), r.prompt_len, r.output_len) for r in reqs]
     if dataset == "random":
-        vocab_size = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+        vocab_size = vocab_size or getattr(tokenizer, "vocab_size", None) or len(tokenizer)
         return random_requests(num_prompts, max_prompt_len, max_output_len, vocab_size, seed)
     raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
 
@@ -162,7 +164,7 @@ def run_throughput(
     max_output_len: int,
     max_prompt_len: int,
     hf_batch_size: int,
-    out_dir: str,
+    out_dir: str | None,
     seed: int,
     llm_kwargs: dict,
     skip_hf: bool = False,
@@ -172,8 +174,9 @@ def run_throughput(
 
     ``hf_num_prompts`` runs transformers on the first that many requests only (a slow
     reference on a big model); its rates are per second all the same.
-    Writes the result to ``out_dir/throughput-<dataset>-<device>-<timestamp>.json``, prints
-    a markdown table and returns the result dict (``output_path`` says where it went).
+    Writes the result to ``out_dir/throughput-<dataset>-<device>[-tpN]-<timestamp>.json`` (no
+    file without ``out_dir``), prints a markdown table and returns the result dict
+    (``output_path`` says where it went).
     """
     from tandem import LLM
 
@@ -191,11 +194,13 @@ def run_throughput(
     model = model or default_model_path()
 
     llm = LLM(model=model, **llm_kwargs)
-    reqs = build_requests(dataset, num_prompts, llm.tokenizer, max_prompt_len, max_output_len, seed)
+    vocab = llm.engine.arch.vocab_size  # a dummy model may have fewer ids than the tokenizer
+    reqs = build_requests(dataset, num_prompts, llm.tokenizer, max_prompt_len, max_output_len, seed,
+                          vocab_size=vocab)
     prompt_tokens = sum(r.prompt_len for r in reqs)
     output_tokens = sum(r.output_len for r in reqs)
     model_path = llm.model_path
-    warmup_ids = list(llm.tokenizer.encode(_WARMUP_TEXT))
+    warmup_ids = [t % vocab for t in llm.tokenizer.encode(_WARMUP_TEXT)]
     tandem_s, generated = _run_tandem(llm, reqs, warmup_ids, device)
     threads = torch.get_num_threads()  # after Tandem ran, in case it set its own
     del llm
@@ -228,10 +233,13 @@ def run_throughput(
         "hf": None,
         "ratio": None,
     }
-    safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device)
-    path = result_path(out_dir, f"throughput-{dataset}-{safe_device}")
+    safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device.split(":")[0])
+    tp = llm_kwargs.get("tensor_parallel_size", 1)
+    path = (result_path(out_dir, f"throughput-{dataset}-{safe_device}"
+                        + (f"-tp{tp}" if tp > 1 else "")) if out_dir else None)
     result["output_path"] = path
-    write_json(result, path)  # Tandem's numbers first, in case the reference run is cut short
+    if path:  # Tandem's numbers first, in case the reference run is cut short
+        write_json(result, path)
     if not skip_hf:
         torch.set_num_threads(threads)
         dtype = torch_dtype(llm_kwargs.get("dtype"), device)
@@ -244,9 +252,11 @@ def run_throughput(
             key: result["tandem"][key] / result["hf"][key]
             for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s")
         }
-        write_json(result, path)
+        if path:
+            write_json(result, path)
     print(markdown_table(result))
-    print(f"wrote {path}")
+    if path:
+        print(f"wrote {path}")
     return result
 
 
@@ -278,6 +288,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
                         help="KV cache size (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="measure Tandem only")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N ranks, one process each, started by torchrun (with --skip-hf)")
     parser.add_argument("--hf-num-prompts", type=int, default=None,
                         help="run transformers on only the first N requests")
     parser.add_argument("--no-overlap", action="store_true",
@@ -286,9 +298,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Run the throughput benchmark from parsed CLI arguments; returns the exit status."""
+    from tandem.models.tensor_parallel import join_torchrun_group
+
+    if args.tensor_parallel_size > 1 and not args.skip_hf:
+        raise SystemExit("--tensor-parallel-size > 1 measures Tandem only: add --skip-hf "
+                         "(the transformers reference runs on one GPU, at size 1)")
     llm_kwargs: dict[str, Any] = {}
-    if args.device is not None:
-        llm_kwargs["device"] = args.device
+    device, rank = join_torchrun_group(args.device or "cpu", args.tensor_parallel_size)
+    if args.device is not None or args.tensor_parallel_size > 1:
+        llm_kwargs["device"] = device
+    if args.tensor_parallel_size > 1:
+        llm_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.dtype is not None:
         llm_kwargs["dtype"] = args.dtype
     if args.max_num_seqs is not None:
@@ -304,7 +324,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         max_output_len=args.max_output_len,
         max_prompt_len=args.max_prompt_len,
         hf_batch_size=args.hf_batch_size,
-        out_dir=args.out_dir,
+        out_dir=args.out_dir if rank == 0 else None,
         seed=args.seed,
         llm_kwargs=llm_kwargs,
         skip_hf=args.skip_hf,

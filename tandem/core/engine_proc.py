@@ -5,6 +5,13 @@ Requests in (PULL): ``["add", request_id, prompt_token_ids, sampling_params_dict
 Results out (PUSH): ``["ready", info]`` once, then per step ``["updates", [update, ...], stats]``
 where each update is a RequestUpdate as a list, and ``["error", request_id, message]`` for a
 request the core refused.
+
+With tensor parallelism (``tensor_parallel_size`` N > 1) the client starts N such processes,
+one per rank, that join one torch.distributed group (``RankSetup``). Rank 0, the leader,
+alone talks to the client: each loop turn it forwards what it took from its input socket, as
+one ``["turn", [message, ...]]`` frame, to every follower before handling it; a follower
+handles the same messages in the same order and takes the same steps, so all ranks'
+schedulers stay in lockstep and meet in the same collectives. Only the leader sends results.
 """
 
 from __future__ import annotations
@@ -12,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import traceback
+from dataclasses import dataclass, replace
 
 import msgpack
 import zmq
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, ParallelConfig
 from tandem.core.scheduler import RequestUpdate
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
@@ -72,17 +81,70 @@ def update_from_list(data: list) -> RequestUpdate:
     )
 
 
-class EngineCoreProcess:
-    """Runs an EngineCore loop fed by a ZeroMQ socket until told to shut down."""
+@dataclass(frozen=True)
+class RankSetup:
+    """One rank's place in a tensor-parallel engine: its rank, where the group meets
+    (torch.distributed's env:// rendezvous on ``master_port`` of 127.0.0.1) and the ZeroMQ
+    addresses on which the leader sends each follower its turns (``follower_addresses[r-1]``
+    is rank r's)."""
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str):
+    rank: int
+    world_size: int
+    master_port: int
+    follower_addresses: tuple[str, ...]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (for the ranks' rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def join_tensor_parallel_group(config: EngineConfig, setup: RankSetup) -> EngineConfig:
+    """Join the ranks' process group (gloo on the CPU, nccl on CUDA; rank r takes GPU r) and
+    return ``config`` with this rank's device and ParallelConfig."""
+    from tandem.models.tensor_parallel import init_process_group
+
+    if config.device.startswith("cuda:"):
+        raise ValueError(f"device {config.device!r}: with tensor_parallel_size "
+                         f"{setup.world_size} give plain 'cuda' (rank r runs on cuda:r)")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(setup.master_port),
+                      RANK=str(setup.rank), WORLD_SIZE=str(setup.world_size),
+                      LOCAL_RANK=str(setup.rank))
+    device = init_process_group(config.device)
+    return replace(config, device=device,
+                   parallel=ParallelConfig(setup.world_size, setup.rank))
+
+
+class EngineCoreProcess:
+    """Runs an EngineCore loop fed by a ZeroMQ socket until told to shut down.
+
+    With a ``setup`` of rank 0 it also forwards its input to the followers; with one of a
+    higher rank it reads its input from the leader instead of the client and sends nothing
+    back (the leader reports for all ranks)."""
+
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str,
+                 setup: RankSetup | None = None):
         from tandem.core.engine_core import EngineCore
 
+        if setup is not None:
+            config = join_tensor_parallel_group(config, setup)
+        self.is_follower = setup is not None and setup.rank > 0
         self.context = zmq.Context()
         self.inputs = self.context.socket(zmq.PULL)
-        self.inputs.connect(input_address)
-        self.outputs = self.context.socket(zmq.PUSH)
-        self.outputs.connect(output_address)
+        self.followers: list[zmq.Socket] = []
+        self.outputs: zmq.Socket | None = None
+        if self.is_follower:
+            self.inputs.connect(setup.follower_addresses[setup.rank - 1])
+        else:
+            self.inputs.connect(input_address)
+            self.outputs = self.context.socket(zmq.PUSH)
+            self.outputs.connect(output_address)
+            for address in setup.follower_addresses if setup is not None else ():
+                follower = self.context.socket(zmq.PUSH)
+                follower.bind(address)
+                self.followers.append(follower)
         self.core = EngineCore(config)
         self.running = True
         self._parent = os.getppid()  # the API process; if it dies, so does this one
@@ -108,7 +170,7 @@ class EngineCoreProcess:
                 request.remote_prefill = rest[0] if rest else None
                 self.core.add_request(request)
             except ValueError as e:
-                self.outputs.send(pack(["error", request_id, str(e)]))
+                self._send(["error", request_id, str(e)])
         elif kind == "abort":
             for request_id in message[1]:
                 self.core.abort_request(request_id)
@@ -126,21 +188,43 @@ class EngineCoreProcess:
             return
         updates = self.core.step()
         if updates or busy or handled:
-            self.outputs.send(pack(["updates", [update_to_list(u) for u in updates],
-                                    self.core.metrics()]))
+            self._send(["updates", [update_to_list(u) for u in updates], self.core.metrics()])
+
+    def _send(self, message: list) -> None:
+        if self.outputs is not None:  # followers report nothing: the leader does
+            self.outputs.send(pack(message))
 
     def _drain_inputs(self, block: bool) -> int:
-        """Handle every waiting message; returns how many there were."""
+        """Handle every waiting message (a follower: its leader's next turn, waiting for it
+        however ``block`` says); returns how many there were."""
+        if self.is_follower:
+            return self._follow_turn()
         timeout = POLL_IDLE_MS if block else 0
-        handled = 0
+        messages = []
         while self.inputs.poll(timeout):
-            self._handle(unpack(self.inputs.recv()))
-            handled += 1
+            messages.append(unpack(self.inputs.recv()))
             timeout = 0
-        return handled
+        if self.followers:  # every turn, so the followers take their steps in step with us
+            turn = pack(["turn", messages])
+            for follower in self.followers:
+                follower.send(turn)
+        for message in messages:
+            self._handle(message)
+        return len(messages)
+
+    def _follow_turn(self) -> int:
+        """Wait for the leader's next turn (checking that the client lives), handle it."""
+        while not self.inputs.poll(POLL_IDLE_MS):
+            if os.getppid() != self._parent:
+                self.running = False
+                return 0
+        _, messages = unpack(self.inputs.recv())
+        for message in messages:
+            self._handle(message)
+        return len(messages)
 
     def run(self) -> None:
-        self.outputs.send(pack(["ready", self.info()]))
+        self._send(["ready", self.info()])
         while self.running:
             if os.getppid() != self._parent:
                 logger.error("the API process exited; the engine core stops")
@@ -154,22 +238,24 @@ class EngineCoreProcess:
             if not self.core.has_unfinished_requests():
                 if handled:  # aborts or finishes emptied the engine: report the idle state
                     self.core.step()  # lets the runner drop finished requests' state
-                    self.outputs.send(pack(["updates", [], self.core.metrics()]))
+                    self._send(["updates", [], self.core.metrics()])
                 continue
             updates = self.core.step()
-            stats = self.core.metrics()
-            self.outputs.send(pack(["updates", [update_to_list(u) for u in updates], stats]))
+            self._send(["updates", [update_to_list(u) for u in updates], self.core.metrics()])
         self.core.shutdown()
-        self.inputs.close(linger=0)
-        self.outputs.close(linger=0)
+        for sock in (self.inputs, self.outputs, *self.followers):
+            if sock is not None:
+                sock.close(linger=0)
         self.context.term()
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Process entry point: start the core, report a startup failure, run until shutdown."""
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    setup: RankSetup | None = None) -> None:
+    """Process entry point: start the core (a tensor-parallel rank with ``setup``), report a
+    startup failure, run until shutdown."""
     logging.basicConfig(level=logging.INFO)
     try:
-        proc = EngineCoreProcess(config, input_address, output_address)
+        proc = EngineCoreProcess(config, input_address, output_address, setup)
     except Exception as e:  # noqa: BLE001 (any startup failure is reported, then we exit)
         context = zmq.Context()
         sock = context.socket(zmq.PUSH)

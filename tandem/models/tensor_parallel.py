@@ -64,6 +64,16 @@ def init_process_group(device: str) -> str:
     return device
 
 
+def join_torchrun_group(device: str, tensor_parallel_size: int) -> tuple[str, int]:
+    """For a command run by torchrun, one process per rank: with ``tensor_parallel_size`` > 1
+    join the group (``init_process_group``) and return this rank's device and rank;
+    otherwise ``(device, 0)``."""
+    if tensor_parallel_size <= 1:
+        return device, 0
+    device = init_process_group(device)
+    return device, dist.get_rank()
+
+
 def check_process_group(rank: int, world_size: int) -> None:
     """Raise RuntimeError unless torch.distributed is initialised with ``world_size``
     processes of which this one is ``rank``."""

@@ -20,6 +20,8 @@ import zmq.asyncio
 
 from tandem.config import EngineConfig
 from tandem.core.engine_proc import (
+    RankSetup,
+    free_port,
     pack,
     params_to_dict,
     run_engine_core,
@@ -70,40 +72,69 @@ class AsyncEngineClient:
         self._to_core.bind(self._input_address)
         self._from_core = self._context.socket(zmq.PULL)
         self._from_core.bind(self._output_address)
-        self._process: multiprocessing.Process | None = None
+        self._processes: list[multiprocessing.Process] = []  # rank 0's first
         self._reader: asyncio.Task | None = None
         self.dead: str | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn the core process and wait until its model is loaded."""
+        """Spawn the core process (one per rank with tensor parallelism) and wait until its
+        model is loaded."""
         context = multiprocessing.get_context("spawn")
-        self._process = context.Process(
-            target=run_engine_core,
-            args=(self.config, self._input_address, self._output_address),
-            daemon=True,
-            name="tandem-engine-core",
-        )
-        self._process.start()
-        while True:
-            if await self._from_core.poll(1000):
-                message = unpack(await self._from_core.recv())
-                if message[0] == "ready":
-                    self.info = message[1]
-                    break
-                if message[0] == "failed":
-                    raise RuntimeError(f"engine core failed to start: {message[1]}")
-            elif not self._process.is_alive():
-                raise RuntimeError("engine core process exited during startup")
+        world_size = self.config.parallel.tensor_parallel_size
+        setups: list[RankSetup | None] = [None]
+        if world_size > 1:
+            followers = tuple(f"ipc://{os.path.join(self._socket_dir, f'rank{rank}')}"
+                              for rank in range(1, world_size))
+            port = free_port()
+            setups = [RankSetup(rank, world_size, port, followers) for rank in range(world_size)]
+        self._processes = [
+            context.Process(
+                target=run_engine_core,
+                args=(self.config, self._input_address, self._output_address, setup),
+                daemon=True,
+                name="tandem-engine-core" + (f"-rank{setup.rank}" if setup else ""),
+            )
+            for setup in setups
+        ]
+        for process in self._processes:
+            process.start()
+        try:
+            while True:
+                if await self._from_core.poll(1000):
+                    message = unpack(await self._from_core.recv())
+                    if message[0] == "ready":
+                        self.info = message[1]
+                        break
+                    if message[0] == "failed":
+                        raise RuntimeError(f"engine core failed to start: {message[1]}")
+                elif self._exited() is not None:
+                    raise RuntimeError(f"{self._exited()} exited during startup")
+        except BaseException:
+            self._kill_processes()  # the other ranks would wait for the failed one forever
+            raise
         self._reader = asyncio.create_task(self._read_results())
 
+    def _exited(self) -> str | None:
+        """The name of an engine core process that is no longer running, if any."""
+        for process in self._processes:
+            if not process.is_alive():
+                return f"engine core process {process.name}"
+        return None
+
+    def _kill_processes(self) -> None:
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
     async def shutdown(self) -> None:
-        if self._process is not None and self._process.is_alive():
-            await self._to_core.send(pack(["shutdown"]))
-            await asyncio.to_thread(self._process.join, 10)
-            if self._process.is_alive():
-                self._process.kill()
+        if any(process.is_alive() for process in self._processes):
+            await self._to_core.send(pack(["shutdown"]))  # the leader forwards it
+            for process in self._processes:
+                await asyncio.to_thread(process.join, 10)
+            self._kill_processes()
         if self._reader is not None:
             self._reader.cancel()
         self._to_core.close(linger=0)
@@ -113,8 +144,9 @@ class AsyncEngineClient:
     async def _read_results(self) -> None:
         while True:
             if not await self._from_core.poll(1000):
-                if self._process is not None and not self._process.is_alive():
-                    self._fail_all("the engine core process exited")
+                exited = self._exited()
+                if exited is not None:
+                    self._fail_all(f"{exited} exited")
                     return
                 continue
             message = unpack(await self._from_core.recv())
