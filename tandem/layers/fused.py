@@ -160,15 +160,19 @@ def silu_mul_reference(gate, up):
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool | None = None):
-    """``silu_mul_reference`` in one kernel where it applies."""
+    """``silu_mul_reference`` in one kernel where it applies. ``gate`` and ``up`` may be views
+    with row strides (the two halves of one fused gate-up projection): no copy is made."""
     if not (_kernels_apply(gate, up) if use_triton is None else use_triton):
         return silu_mul_reference(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    numel = gate.numel()
-    if numel:
+    n_cols = gate.shape[-1]
+    gate2, up2 = (t.reshape(-1, n_cols) if t.stride(-1) == 1 else t.contiguous().view(-1, n_cols)
+                  for t in (gate, up))
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows = gate2.shape[0]
+    if rows and n_cols:
         block = 1024
-        _silu_mul_kernel[(triton.cdiv(numel, block),)](gate, up, out, numel, BLOCK=block)
+        _silu_mul_kernel[(rows, triton.cdiv(n_cols, block))](
+            gate2, up2, out, n_cols, gate2.stride(0), up2.stride(0), n_cols, BLOCK=block)
     return out
 
 
@@ -253,11 +257,13 @@ if triton is not None:
                          mask=keep)
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offsets, mask=mask, other=0.0)
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0)
         silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
         out = silu.to(tl.float32) * u.to(tl.float32)
-        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)

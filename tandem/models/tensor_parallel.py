@@ -50,10 +50,23 @@ def rank_arch(arch: ModelArchConfig, world_size: int) -> ModelArchConfig:
                    intermediate_size=arch.intermediate_size // world_size)
 
 
+# NVLink multicast (NVLS) can put a shared host's GPUs out of service: NCCL, PyTorch's
+# symmetric memory and NVSHMEM must not use it unless the operator says otherwise.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def keep_nvlink_multicast_off() -> None:
+    """Set ``MULTICAST_OFF``'s variables where unset, before any NCCL communicator exists."""
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
+
+
 def init_process_group(device: str) -> str:
     """Join the process group that torchrun's variables describe (env://: MASTER_ADDR,
     MASTER_PORT, RANK, WORLD_SIZE), unless joined already: gloo on the CPU, nccl on CUDA.
     Returns this rank's device (plain ``cuda`` becomes GPU ``LOCAL_RANK``)."""
+    keep_nvlink_multicast_off()
     if device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     if device.startswith("cuda"):

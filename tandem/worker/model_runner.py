@@ -165,9 +165,10 @@ class ModelRunner:
             shard_model(self.model, rank, world_size, model_name=files.path)
             if self.mtp_head is not None:
                 shard_mtp_head(self.mtp_head, rank, world_size)
-            if self.device.type == "cuda":
-                # Hand the whole weights' memory back: the KV cache is sized from what is free.
-                torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            self.model.fuse_gate_up()  # one GEMM per MLP input on the GPU
+            # Hand the replaced weights' memory back: the KV cache is sized from what is free.
+            torch.cuda.empty_cache()
         # This rank's shapes (its KV heads alone with tensor parallelism): the cache's.
         self.arch = self.model.arch
         self.kv_caches: list[torch.Tensor] = []

@@ -95,6 +95,32 @@ def test_silu_mul(dtype):
                                fused.silu_mul_reference(gate, up), **TOLERANCE[dtype])
 
 
+def test_silu_mul_reads_the_halves_of_a_fused_projection_in_place():
+    """The two halves of one gate-up output are strided views: the kernel takes them as they
+    are (3-D, several rows) and gives what the reference gives on contiguous copies."""
+    generator = torch.Generator().manual_seed(2)
+    gate_up = 3 * torch.randn(2, 3, 2 * 1100, generator=generator)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    got = fused.silu_mul(gate, up, use_triton=True)
+    torch.testing.assert_close(got, fused.silu_mul_reference(gate.contiguous(), up.contiguous()),
+                               **TOLERANCE[torch.float32])
+    assert got.shape == (2, 3, 1100)
+
+
+def test_fused_gate_up_mlp_matches_the_two_matrices():
+    from tandem.models.llama import MLP
+    from tandem.models.registry import dummy_preset
+
+    torch.manual_seed(3)
+    mlp = MLP(dummy_preset("tiny")).requires_grad_(False)
+    x = torch.randn(7, dummy_preset("tiny").hidden_size)
+    expected = mlp(x)
+    mlp.fuse_gate_up()
+    assert mlp.gate_up_proj is not None and not hasattr(mlp, "gate_proj")
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_rms_norm_keeps_the_references_dtype():
     """An fp16 input with an fp32 weight (autocast in training): the product is fp32."""
     x = torch.randn(3, 64).half()
