@@ -61,7 +61,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench throughput --device cuda --model dummy:llama3-8b \
         --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \
         --max-output-len 1024 --max-num-seqs 256 --kv-cache-memory-gb 80 \
-        --hf-num-prompts "${HF_PROMPTS:-64}" \
+        --hf-num-prompts "${HF_PROMPTS:-64}" --profile-prompts "${PROFILE_PROMPTS:-200}" \
         --hf-batch-size 32 --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "it/s" ;;
     pd)
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench pd --device cuda \

@@ -92,6 +92,30 @@ def _run_tandem(
     return timed_generate(llm, prompts, params, use_tqdm=True)
 
 
+def _profile_tandem(llm: Any, reqs: list[BenchRequest], device: str) -> dict:
+    """``reqs`` once more under the CUDA profiler: the share of the run's wall time in which
+    the GPU was busy, and the device operations ranked by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tandem import SamplingParams
+    from tandem.bench.decode import busy_fraction, device_intervals, kernel_totals
+
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+              for r in reqs]
+    sync_device(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        sync_device(device)
+    intervals, _ = device_intervals(prof)
+    if not intervals:
+        return {"note": "the profiler recorded no CUDA events"}
+    window = (min(s for s, _ in intervals), max(e for _, e in intervals))
+    return {"num_requests": len(reqs), "window_s": (window[1] - window[0]) / 1e6,
+            "gpu_busy_fraction": busy_fraction(intervals, window),
+            "device_ops": len(intervals), "top_device_ops": kernel_totals(prof, top=20)}
+
+
 def _run_hf(
     model_path: str,
     reqs: list[BenchRequest],
@@ -169,11 +193,13 @@ def run_throughput(
     llm_kwargs: dict,
     skip_hf: bool = False,
     hf_num_prompts: int | None = None,
+    profile_prompts: int = 0,
 ) -> dict:
     """Measure Tandem's (and unless ``skip_hf`` transformers') offline throughput.
 
     ``hf_num_prompts`` runs transformers on the first that many requests only (a slow
-    reference on a big model); its rates are per second all the same.
+    reference on a big model); its rates are per second all the same. ``profile_prompts``
+    (CUDA) runs that many of the requests once more under the profiler (``tandem_profile``).
     Writes the result to ``out_dir/throughput-<dataset>-<device>[-tpN]-<timestamp>.json`` (no
     file without ``out_dir``), prints a markdown table and returns the result dict
     (``output_path`` says where it went).
@@ -202,6 +228,8 @@ def run_throughput(
     model_path = llm.model_path
     warmup_ids = [t % vocab for t in llm.tokenizer.encode(_WARMUP_TEXT)]
     tandem_s, generated = _run_tandem(llm, reqs, warmup_ids, device)
+    profiled = (_profile_tandem(llm, reqs[:profile_prompts], device)
+                if profile_prompts and device.startswith("cuda") else None)
     threads = torch.get_num_threads()  # after Tandem ran, in case it set its own
     del llm
     gc.collect()
@@ -233,6 +261,8 @@ def run_throughput(
         "hf": None,
         "ratio": None,
     }
+    if profiled is not None:
+        result["tandem_profile"] = profiled
     safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device.split(":")[0])
     tp = llm_kwargs.get("tensor_parallel_size", 1)
     path = (result_path(out_dir, f"throughput-{dataset}-{safe_device}"
@@ -288,6 +318,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
                         help="KV cache size (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="measure Tandem only")
+    parser.add_argument("--profile-prompts", type=int, default=0,
+                        help="CUDA: run the first N requests again under the profiler (GPU "
+                        "busy share, top device ops)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N ranks, one process each, started by torchrun (with --skip-hf)")
     parser.add_argument("--hf-num-prompts", type=int, default=None,
@@ -329,5 +362,6 @@ def main_from_args(args: argparse.Namespace) -> int:
         llm_kwargs=llm_kwargs,
         skip_hf=args.skip_hf,
         hf_num_prompts=args.hf_num_prompts,
+        profile_prompts=args.profile_prompts,
     )
     return 0
