@@ -90,7 +90,9 @@ class CudaGraphRunner:
                 self._forward(size, q)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: other threads (NCCL's watchdog under tensor parallelism)
+                # may query CUDA while this one captures.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     hidden = self._forward(size, q)
                 self.graphs[(size, q)] = _Graph(graph, hidden)
         torch.cuda.synchronize()
