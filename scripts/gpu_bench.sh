@@ -15,7 +15,8 @@
 #               GPU (KV over CUDA IPC) against one mixed process: decode inter-token latency
 #               under long prompts, KV GB/s, handoff latency
 #   tp          (2 GPUs) the 8B shape at tensor_parallel_size 1 and 2 (torchrun): batch 1
-#               latency, then NUM_PROMPTS ShareGPT requests offline (Tandem only)
+#               latency, then NUM_PROMPTS ShareGPT requests offline (Tandem only); TP_SIZES
+#               (default "1 2") picks the sizes
 #   pd2         (2 GPUs) PD with the prefill instance on cuda:0 and the decode instance on
 #               cuda:1, KV over NCCL, then both on cuda:0 over CUDA IPC (co-located); each
 #               run also measures one mixed instance on cuda:0
@@ -70,7 +71,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
         --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "^[IWE]1" ;;
     tp)
       status_all=0
-      for n in 1 2; do
+      for n in ${TP_SIZES:-1 2}; do
         run="python3 -m tandem.cli"
         [ "$n" -gt 1 ] && run="python3 -m torch.distributed.run --nproc-per-node $n -m tandem.cli"
         for eager in "" --enforce-eager; do  # eager only if the graphs failed
