@@ -44,21 +44,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _join_group(rank: int, port: int) -> None:
+def _join_group(rank: int, port: int, device: str) -> None:
     from tandem.models.tensor_parallel import init_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD_SIZE))
+                      WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    init_process_group("cpu")
+    init_process_group(device)
 
 
-def _rank_main(rank: int, port: int, results: mp.Queue, task) -> None:
+def _rank_main(rank: int, port: int, results: mp.Queue, task, device: str) -> None:
     """One rank: join the group, run ``task(rank)`` and put (rank, result or traceback)."""
     import torch.distributed as dist
 
     try:
-        _join_group(rank, port)
+        _join_group(rank, port, device)
         results.put((rank, task(rank)))
     except BaseException:
         results.put((rank, RuntimeError(traceback.format_exc())))
@@ -68,13 +68,13 @@ def _rank_main(rank: int, port: int, results: mp.Queue, task) -> None:
             dist.destroy_process_group()
 
 
-def _run_ranks(task) -> dict:
+def _run_ranks(task, device: str = "cpu") -> dict:
     """``task(rank)`` on WORLD_SIZE spawned ranks: their results by rank. Every process is
     joined or killed on return, so a failing or hanging rank cannot hang the test run."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, port, results, task))
+    processes = [context.Process(target=_rank_main, args=(rank, port, results, task, device))
                  for rank in range(WORLD_SIZE)]
     for process in processes:
         process.start()
@@ -98,11 +98,14 @@ def _run_ranks(task) -> dict:
             process.join()
 
 
-def _generate_per_engine(tokenizer: str, rank: int) -> dict:
+def _generate_per_engine(tokenizer: str, rank: int, device: str = "cpu") -> dict:
     """Each engine of ENGINES at tensor_parallel_size 2: its outputs and drafts verified."""
     outputs = {}
+    if device == "cuda":
+        device = f"cuda:{rank}"
     for name, options in ENGINES.items():
-        llm = LLM(tokenizer=tokenizer, tensor_parallel_size=WORLD_SIZE, **COMMON, **options)
+        llm = LLM(tokenizer=tokenizer, tensor_parallel_size=WORLD_SIZE, device=device, **COMMON,
+                  **options)
         generated = llm.generate(_prompts(), _greedy(), use_tqdm=False)
         outputs[name] = (generated, llm.get_metrics()["spec_decode_num_drafts"])
         llm.engine.shutdown()
@@ -184,3 +187,20 @@ def test_vocab_parallel_layers_pad_and_gather_exactly():
     for embed_error, logits_error in _run_ranks(_vocab_parallel_errors).values():
         assert embed_error == 0.0
         assert logits_error < 1e-5  # the shards' matmuls may round differently
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD_SIZE, reason="needs two GPUs")
+def test_tensor_parallel_on_two_gpus_matches_one(tokenizer_dir):
+    """NCCL between two GPUs, CUDA graphs on (their all-reduces captured): fp32 greedy
+    equal to one GPU's engine under the tie rule, plain and with MTP."""
+    by_rank = _run_ranks(functools.partial(_generate_per_engine, tokenizer_dir, device="cuda"),
+                         device="cuda")
+    for name, options in ENGINES.items():
+        one_gpu = LLM(tokenizer=tokenizer_dir, device="cuda", **COMMON, **options)
+        baseline = one_gpu.generate(_prompts(), _greedy(), use_tqdm=False)
+        one_gpu.engine.shutdown()
+        references = [reference_from_output(o.outputs[0]) for o in baseline]
+        for rank in range(WORLD_SIZE):
+            problems, _ = tie_rule_mismatches(by_rank[rank][name][0], references, TOLERANCE)
+            assert not problems, (name, rank, problems)
