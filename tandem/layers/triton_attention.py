@@ -33,7 +33,11 @@ Grid ``(T // BLOCK_Q + B, H_kv)``, from sizes alone (no host value is read at la
   request and key position <= query position. Key 0 is visible to every row, so every
   row's running max is finite after the first tile and no row divides by zero.
 * ``BLOCK_M`` is 16 when ``max_query_len * GROUP <= 16`` (decode and short verification
-  batches) and 64 otherwise: a host-side choice from an upper bound, as allowed.
+  batches) and 64 otherwise: a host-side choice from an upper bound, as allowed. A batch
+  that mixes the two kinds (continuous batching: decode rows next to a prefill chunk) runs
+  two launches over the same grid rule, the first taking only the requests whose rows fit
+  the 16-row tile and the second only the others, so decode rows do not fill a quarter of
+  a 64-row tile (and hold its registers) while their keys stream past.
 
 Flash-decoding: for decode and short verification tiles (``BLOCK_M = 16``) of a small
 batch, grid axis 2 splits each tile's keys into ``num_splits`` consecutive ranges (chosen on
@@ -107,10 +111,14 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        ROWS: tl.constexpr,
+        SHORT_Q: tl.constexpr,
     ):
         """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request; with
         NUM_SPLITS > 1, one of that many consecutive ranges of its key tiles, whose partial
-        output, running max and sum go to ``part_out`` / ``part_ml`` for the reduction."""
+        output, running max and sum go to ``part_out`` / ``part_ml`` for the reduction.
+        ROWS 1 takes only requests of at most SHORT_Q query rows, ROWS 2 only the others
+        (0: all)."""
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -119,6 +127,10 @@ if triton is not None:
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         tile_in_seq = tile - (q_start // BLOCK_Q + seq)
         if tile_in_seq * BLOCK_Q >= q_len:
+            return
+        if ROWS == 1 and q_len > SHORT_Q:
+            return
+        if ROWS == 2 and q_len <= SHORT_Q:
             return
         context = tl.load(seq_lens_ptr + seq) - q_len  # positions before the first query row
 
@@ -248,6 +260,7 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     num_splits: int | None = None,
+    min_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows ``q`` [T, H_q, D] over the paged cache.
 
@@ -257,12 +270,14 @@ def paged_attention(
     lengths (it only picks the tile shape). Returns [T, H_q, D] in q's dtype (fp32, bf16 or
     fp16; accumulation is fp32). Reads no device value on the host, so it never waits.
     ``num_splits`` (a power of two; default ``num_kv_splits``) splits each decode tile's
-    keys over that many programs, combined by a second kernel.
+    keys over that many programs, combined by a second kernel. ``min_query_len`` (a lower
+    bound, optional): when a batch mixes rows that fit the 16-row tile (decode,
+    verification) with longer ones (prefill), each kind gets its own launch and tile.
     """
     if triton is None:
         raise RuntimeError("paged_attention needs triton (pip install triton)")
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_kv_heads, cache_head_dim = k_cache.shape[2:]
     if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache shape {tuple(k_cache.shape)} does not fit q {tuple(q.shape)}")
     if num_heads % num_kv_heads:
@@ -272,12 +287,31 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m = 16 if max_query_len * group <= 16 else 64
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
-    splits = num_kv_splits(num_seqs, num_kv_heads, block_m) if num_splits is None else num_splits
+    short_q = max(1, 16 // group)  # query rows of one request that fit a 16-row tile
+    args = (out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, group,
+            short_q)
+    if max_query_len <= short_q:
+        splits = (num_kv_splits(num_seqs, num_kv_heads, 16) if num_splits is None
+                  else num_splits)
+        _launch(*args, block_m=16, rows=0, splits=splits)
+    elif min_query_len is not None and min_query_len <= short_q:
+        _launch(*args, block_m=16, rows=1, splits=1)  # decode and verification rows
+        _launch(*args, block_m=64, rows=2, splits=1)  # prefill rows
+    else:
+        _launch(*args, block_m=64, rows=0, splits=1)
+    return out
+
+
+def _launch(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, group,
+            short_q, block_m: int, rows: int, splits: int) -> None:
+    """One launch of the attention kernel (plus the combination of its splits)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     part_out = part_ml = out  # unused without splits
     if splits > 1:
@@ -302,12 +336,13 @@ def paged_attention(
         BLOCK_N=64,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=splits,
+        ROWS=rows,
+        SHORT_Q=short_q,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_ml, *out.stride(), num_heads,
             NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
-    return out
 
 
 @dataclass
@@ -317,6 +352,7 @@ class TritonAttentionMetadata(AttentionMetadata):
     block_tables: torch.Tensor | None = None  # [B, max_blocks] block ids, padded with 0
     query_start_loc_device: torch.Tensor | None = None  # [B + 1]
     seq_lens_device: torch.Tensor | None = None  # [B]
+    min_query_len: int | None = None  # a mixed batch's decode rows get their own launch
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -332,6 +368,7 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata(
             slot_mapping=slot_mapping,
             max_query_len=max(query_lens),
+            min_query_len=min(query_lens),
             block_tables=to_device(table, torch.int32, device),
             query_start_loc_device=to_device(query_start, torch.int32, device),
             seq_lens_device=to_device(seq_lens, torch.int32, device),
@@ -348,4 +385,5 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.seq_lens_device,
             metadata.max_query_len,
             scale,
+            min_query_len=metadata.min_query_len,
         )

@@ -117,8 +117,10 @@ def test_edge_shapes_match_torch_fp32(triton_attention, query_lens, seq_lens, nu
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_launcher_takes_strided_q_and_int64_metadata(triton_attention):
-    """q as a column slice of a fused qkv projection (non-contiguous), int64 index tensors."""
+@pytest.mark.parametrize("min_query_len", [None, 1])
+def test_launcher_takes_strided_q_and_int64_metadata(triton_attention, min_query_len):
+    """q as a column slice of a fused qkv projection (non-contiguous), int64 index tensors;
+    one launch for the mixed batch, or (given its shortest query) one per kind of row."""
     query_lens, seq_lens = MIXED
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
     batch = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
@@ -137,7 +139,7 @@ def test_launcher_takes_strided_q_and_int64_metadata(triton_attention):
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], device=DEVICE)
     out = triton_attention.paged_attention(
         q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, device=DEVICE),
-        max(query_lens), head_dim**-0.5)
+        max(query_lens), head_dim**-0.5, min_query_len=min_query_len)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
