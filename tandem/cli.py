@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed",
                        help="PD disaggregation: run whole requests (mixed), or only prompts "
                        "for decode instances (prefill), or decode after a prefill instance")
-    serve.add_argument("--kv-connector", choices=["mooncake", "cuda_ipc"], default="mooncake",
+    serve.add_argument("--kv-connector", choices=["mooncake", "nccl", "cuda_ipc"],
+                       default="mooncake",
                        help="how KV blocks move between prefill and decode instances")
     serve.add_argument("--disagg-host", default="127.0.0.1",
                        help="address peers reach this instance's control channel and KV on")

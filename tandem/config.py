@@ -89,7 +89,7 @@ class DisaggConfig:
     transfer_timeout_s: float = 30.0
 
     ROLES = ("mixed", "prefill", "decode")
-    CONNECTORS = ("mooncake", "cuda_ipc")
+    CONNECTORS = ("mooncake", "nccl", "cuda_ipc")
 
     def __post_init__(self) -> None:
         if self.role not in self.ROLES:

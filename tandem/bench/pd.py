@@ -4,7 +4,9 @@ that mixes long prompts with running decodes.
 Each run starts engine-core processes through the same client the HTTP server uses: one
 mixed instance, then a prefill and a decode instance (the decode instance asks the
 prefill instance for each prompt's KV; ``--kv-connector`` moves it: ``cuda_ipc`` between
-two processes on one GPU, ``mooncake`` over TCP/RDMA). The load: ``num_decode`` requests
+two processes on one GPU host, ``nccl`` by point-to-point send/recv (``--prefill-device cuda:0
+--decode-device cuda:1`` puts the two instances on two GPUs; the mixed instance runs on
+``--device``), ``mooncake`` over TCP/RDMA). The load: ``num_decode`` requests
 with short prompts decoding ``decode_output_len`` tokens each, all from the start, and
 ``num_long`` requests of ``long_prompt_len``-token prompts arriving every
 ``long_interval_s``. Reported: inter-token latency (p50, p99, max) of the decoding
@@ -87,12 +89,15 @@ async def _bench(args) -> dict:
     from tandem.llm import engine_config
     from tandem.server.engine_client import AsyncEngineClient
 
-    base = engine_config(args.model, device=args.device, dtype=args.dtype,
-                         kv_cache_memory_gb=args.kv_cache_memory_gb,
-                         max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         speculative="mtp" if args.mtp else None,
-                         num_speculative_tokens=args.num_speculative_tokens)
+    def on(device: str):
+        return engine_config(args.model, device=device, dtype=args.dtype,
+                             kv_cache_memory_gb=args.kv_cache_memory_gb,
+                             max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             speculative="mtp" if args.mtp else None,
+                             num_speculative_tokens=args.num_speculative_tokens)
+
+    base = on(args.device)
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "handler"}}
 
     mixed = AsyncEngineClient(base)
@@ -102,14 +107,15 @@ async def _bench(args) -> dict:
     await mixed.shutdown()
     print(f"mixed: {json.dumps(result['mixed'])}", flush=True)
 
-    def role(name: str):
-        return replace(base, disagg=DisaggConfig(role=name, kv_connector=args.kv_connector,
-                                                 transfer_timeout_s=args.transfer_timeout_s))
+    def role(name: str, device: str):
+        return replace(on(device), disagg=DisaggConfig(
+            role=name, kv_connector=args.kv_connector, transfer_timeout_s=args.transfer_timeout_s))
 
-    prefill, decode = AsyncEngineClient(role("prefill")), AsyncEngineClient(role("decode"))
-    await prefill.start()
-    await decode.start()
+    prefill = AsyncEngineClient(role("prefill", args.prefill_device))
+    decode = AsyncEngineClient(role("decode", args.decode_device))
     try:
+        await prefill.start()
+        await decode.start()
         result["pd"] = await _load(decode, prefill.info["control_address"], vocab, args)
         await asyncio.sleep(0.5)  # the last stats frames
         p, d = prefill.stats, decode.stats
@@ -135,9 +141,12 @@ async def _bench(args) -> dict:
 def add_cli_arguments(parser) -> None:
     """Options of ``tandem bench pd``."""
     parser.add_argument("--model", default=None, help="GGUF file, HF directory or dummy:NAME")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="the mixed instance's")
+    parser.add_argument("--prefill-device", default=None, help="default: --device")
+    parser.add_argument("--decode-device", default=None, help="default: --device")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--kv-connector", choices=["mooncake", "cuda_ipc"], default="mooncake")
+    parser.add_argument("--kv-connector", choices=["mooncake", "nccl", "cuda_ipc"],
+                        default="mooncake")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
                         help="per instance (two share one GPU)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -160,12 +169,14 @@ def main_from_args(args) -> int:
     """Run ``tandem bench pd``."""
     import torch
 
+    args.prefill_device = args.prefill_device or args.device  # recorded in the result's config
+    args.decode_device = args.decode_device or args.device
     result = asyncio.run(_bench(args))
     result["torch_version"] = torch.__version__
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     if args.out_dir:
-        path = result_path(args.out_dir, f"pd-{args.device.split(':')[0]}")
+        path = result_path(args.out_dir, f"pd-{args.device.split(':')[0]}-{args.kv_connector}")
         write_json(result, path)
         print(f"wrote {path}")
     return 0

@@ -89,10 +89,13 @@ class EngineCore:
         disagg = self.config.disagg
         if connector is None:
             options = {}
+            # A write that stalls fails within half the decode side's timeout.
+            timeout_s = max(disagg.transfer_timeout_s / 2, 1.0)
             if disagg.kv_connector == "mooncake":
-                # A write that stalls fails within half the decode side's timeout.
-                options = {"hostname": disagg.control_host,
-                           "timeout_s": max(disagg.transfer_timeout_s / 2, 1.0)}
+                options = {"hostname": disagg.control_host, "timeout_s": timeout_s}
+            elif disagg.kv_connector == "nccl":  # only a decode instance receives
+                options = {"host": disagg.control_host, "timeout_s": timeout_s,
+                           "serve": disagg.role == "decode"}
             connector = make_kv_connector(disagg.kv_connector, **options)
         proposer = self.runner.proposer
         connector.register(self.runner.kv_caches + (proposer.kv_caches if proposer else []))

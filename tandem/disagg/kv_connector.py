@@ -162,8 +162,10 @@ class LocalKVConnector(KVConnector):
 
 
 def make_kv_connector(kind: str, **options) -> KVConnector:
-    """A connector of ``kind``: "mooncake" (options of MooncakeKVConnector), "cuda_ipc" (between
-    processes on one GPU host; no options) or "local" (options ``registry`` and ``name``)."""
+    """A connector of ``kind``: "mooncake" (options of MooncakeKVConnector), "nccl" (point-to-point
+    send/recv between processes, NCCL on GPUs of one host or several, gloo on the CPU; options of
+    NcclKVConnector), "cuda_ipc" (between processes on one GPU host; no options) or "local"
+    (options ``registry`` and ``name``)."""
     if kind == "local":
         return LocalKVConnector(**options)
     if kind == "mooncake":
@@ -174,5 +176,9 @@ def make_kv_connector(kind: str, **options) -> KVConnector:
         from tandem.disagg.cuda_ipc_connector import CudaIpcKVConnector
 
         return CudaIpcKVConnector(**options)
+    if kind == "nccl":
+        from tandem.disagg.nccl_connector import NcclKVConnector
+
+        return NcclKVConnector(**options)
     raise ValueError(f"kind: unknown KV connector {kind!r} "
-                     "(expected 'mooncake', 'cuda_ipc' or 'local')")
+                     "(expected 'mooncake', 'nccl', 'cuda_ipc' or 'local')")

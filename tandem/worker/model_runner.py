@@ -143,6 +143,9 @@ class ModelRunner:
     ):
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on the current device: make it this engine's (cuda:1, say).
+            torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.resolved_dtype_name())
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len

@@ -122,8 +122,8 @@ def test_check_compatible_rejects_another_connector_kind():
 
 
 def test_make_kv_connector_rejects_unknown_kind():
-    with pytest.raises(ValueError, match="'nccl'"):
-        make_kv_connector("nccl")
+    with pytest.raises(ValueError, match="'nixl'"):
+        make_kv_connector("nixl")
 
 
 # Children of the Mooncake tests: module-level so that spawned processes can import them.

@@ -1,0 +1,395 @@
+"""A KV connector over torch.distributed point-to-point: NCCL between GPUs of one host or
+several (never two ranks on one GPU), gloo between CPU processes.
+
+The receiving (decode) side runs a TCPStore server; its descriptor names it. A sender joins on
+its first write: it takes a pair index ``k`` (``add``), pushes it on the ``joins`` queue, and
+both build a 2-rank group on ``PrefixStore(f"pair{k}/", store)`` (sender rank 0; no global
+process group); a thread serves each pair. A transfer: the sender pushes the destination runs
+on ``req{k}``, the receiver answers ``ready{k}`` and posts a receive per layer, the sender
+gathers each layer's blocks into a staging tensor ``(2, n, block_size, heads, head_dim)`` and
+sends it, the receiver scatters it into its cache and pushes ``ok`` (or why not) on ``ack{k}``;
+``write_blocks`` returns after that. Pops remove what they read.
+
+Bounds. A write runs in a daemon worker and ends within ``timeout_s``: a TCPStore client waits
+forever on a stalled server, so such a worker is abandoned. Any failure drops the pair on both
+sides. A sender that dies mid-transfer costs only its pair: over gloo at once; over NCCL when
+the group's watchdog aborts the receive, ``timeout_s`` after it was posted plus seconds of
+reporting (torch 2.11: ``Work.wait(timeout)`` did not end it sooner), and until then a
+device-wide synchronize in the receiving process waits too. A sender that dies idle leaves one
+blocked thread until ``close()``.
+
+NCCL settings, read by ProcessGroupNCCL's constructor, so set only around ours:
+TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly: a failed op aborts the communicator and the
+process lives; 1 TearDown and 3 SkipCleanUp, the default, end the process),
+TORCH_NCCL_ENABLE_MONITORING=0 (no heartbeat monitor that kills it), TORCH_NCCL_DUMP_ON_TIMEOUT=0
+and TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0 (no wait for a debug dump before the abort: it held a
+timed-out receive over 30 s). NCCL_NVLS_ENABLE=0 where unset (point-to-point needs no multicast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from tandem.disagg.cuda_ipc_connector import _device_id
+from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout
+
+logger = logging.getLogger("tandem.disagg")
+
+_WINDOW = 2  # layers in flight per transfer: overlaps gather/scatter with the wire, bounds staging
+_GRACE_S = 0.25  # for the worker to report its own (more precise) error at the deadline
+_CLOSE_S = 2.0  # close() waits this long at most for the threads
+_IDLE = timedelta(hours=12)  # a blocking pop on our own store: loops on timeout
+_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
+             "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0"}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Set environment variables for the duration of the block, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _client(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
+def _seconds_left(deadline: float) -> timedelta:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the transfer deadline passed")
+    return timedelta(seconds=left)
+
+
+def _wait(work, deadline: float) -> None:
+    if not work.wait(_seconds_left(deadline)):
+        raise TimeoutError("a send or receive did not complete in time")
+
+
+def _destroy(group) -> None:
+    """Abort a pair's group (best effort: sockets close, NCCL communicators are aborted)."""
+    with contextlib.suppress(Exception):
+        if group is not None and hasattr(group, "abort"):
+            group.abort()
+
+
+class _Pair:
+    """The sender's side of one pair: its store client, index and process group."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.name = f"decode peer {host}:{port}"
+        self.lock = threading.Lock()  # one transfer at a time per pair
+        self.store = self.group = self.stream = None
+        self.index = 0
+        self.broken = False
+
+    def close(self) -> None:
+        """Tell the receiver's thread to stop (an empty request) and abort the group."""
+        self.broken = True
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.queue_push(f"req{self.index}", b"")
+        _destroy(self.group)
+        self.store = self.group = None
+
+
+class NcclKVConnector(KVConnector):
+    """Sends KV blocks to a peer's caches with point-to-point ops of a 2-rank process group.
+
+    ``host`` is where peers reach this instance's TCPStore, ``timeout_s`` bounds every write
+    (and every receive), ``serve`` starts the store and accepts writes (the decode side; a
+    prefill instance passes False). CPU caches use gloo, CUDA caches NCCL.
+    """
+
+    kind = "nccl"
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, serve: bool = True):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected a positive number, got {timeout_s!r}")
+        if not dist.is_available():
+            raise ImportError("the nccl KV connector needs a torch build with torch.distributed")
+        self.host, self.timeout_s, self.serve = host, timeout_s, serve
+        self.caches: list[torch.Tensor] = []
+        self._descriptor: dict | None = None
+        self._server: dist.TCPStore | None = None
+        self._lock = threading.Lock()  # guards _pairs and _receivers
+        self._env_lock = threading.Lock()  # the NCCL environment is process-wide
+        self._pairs: dict[tuple[str, int], _Pair] = {}
+        self._receivers: dict[int, threading.Thread] = {}
+        self._threads: list[threading.Thread] = []  # the watcher, send workers
+        self._closed = threading.Event()
+
+    def register(self, caches: list[torch.Tensor]) -> None:
+        """Remember ``caches`` (all on one device); with ``serve``, start the store and watcher."""
+        if self.caches:
+            raise KVTransferError("register(): the caches are registered already")
+        layout = cache_layout(caches)
+        device = caches[0].device
+        if device.type not in ("cpu", "cuda") or any(c.device != device for c in caches):
+            raise KVTransferError(f"caches: expected one CPU or CUDA device, got "
+                                  f"{sorted({str(cache.device) for cache in caches})}")
+        self.caches = list(caches)
+        self._descriptor = {"kind": self.kind, "device": device.type, "pid": os.getpid(),
+                            "node": socket.gethostname(), **layout}
+        if device.type == "cuda":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            self._descriptor["gpu"] = _device_id(device)
+        if self.serve:
+            self._server = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                         timeout=timedelta(seconds=self.timeout_s))
+            self._descriptor.update(host=self.host, port=self._server.port)
+            self._threads.append(threading.Thread(target=self._watch, daemon=True,
+                                                  name="tandem-kv-watch"))
+            self._threads[-1].start()
+
+    def descriptor(self) -> dict:
+        """Kind, device type and GPU, process, the store's host and port (if serving), layout."""
+        if self._descriptor is None:
+            raise KVTransferError("register() the KV caches before descriptor()")
+        return self._descriptor
+
+    # ---- both sides ----------------------------------------------------------------------
+
+    def _group(self, store, index: int, rank: int):
+        """The 2-rank group of pair ``index`` (gloo construction waits for the other rank)."""
+        prefixed = dist.PrefixStore(f"pair{index}/", store)
+        timeout = timedelta(seconds=self.timeout_s)
+        if not self.caches[0].is_cuda:
+            return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout  # the watchdog aborts an op this old (Work.wait may not)
+        with self._env_lock, _environment(_NCCL_ENV):
+            return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+
+    def _on_stream(self, stream) -> contextlib.AbstractContextManager:
+        if stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(stream.device))
+        stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
+    def _new_stream(self):
+        return torch.cuda.Stream(self.caches[0].device) if self.caches[0].is_cuda else None
+
+    # ---- sending side --------------------------------------------------------------------
+
+    def _write_runs(self, peer: dict, runs: list[tuple[int, int, int]]) -> None:
+        host, port = peer.get("host"), peer.get("port")
+        if not isinstance(host, str) or not isinstance(port, int):
+            raise KVTransferError("peer descriptor lacks 'host' and 'port' (a connector built "
+                                  "with serve=False receives nothing)")
+        if peer.get("device") != self._descriptor["device"]:
+            raise KVTransferError(f"peer caches are on {peer.get('device')!r}, local ones on "
+                                  f"{self._descriptor['device']!r}")
+        if "gpu" in peer and peer["gpu"] == self._descriptor.get("gpu"):
+            raise KVTransferError(f"peer {host}:{port} uses this GPU ({peer['gpu']}): NCCL cannot "
+                                  "join two ranks on one GPU (use the cuda_ipc connector)")
+        if peer.get("pid") == os.getpid() and peer.get("node") == socket.gethostname():
+            raise KVTransferError(f"peer {host}:{port} is this process: sender and receiver "
+                                  "must be different processes")
+        deadline = time.monotonic() + self.timeout_s
+        outcome: dict = {}
+        done = threading.Event()
+        with self._lock:
+            pair = self._pairs.setdefault((host, port), _Pair(host, port))
+
+        def work() -> None:
+            try:
+                self._transfer(pair, runs, deadline)
+            except Exception as error:  # noqa: BLE001 (reported to the caller)
+                outcome["error"] = KVTransferError(f"KV write to {pair.name} failed: "
+                                                   f"{_first_line(error)}")
+                done.set()
+                self._forget(pair)
+                pair.close()
+            done.set()
+
+        worker = threading.Thread(target=work, daemon=True, name="tandem-kv-send")
+        with self._lock:
+            self._threads = [thread for thread in self._threads if thread.is_alive()] + [worker]
+        worker.start()
+        if not done.wait(self.timeout_s + _GRACE_S):
+            self._forget(pair)
+            raise KVTransferError(f"KV write to {pair.name}: no answer within {self.timeout_s} s "
+                                  "(the receiver is stalled or unreachable)")
+        if "error" in outcome:
+            raise outcome["error"]
+
+    def _forget(self, pair: _Pair) -> None:
+        pair.broken = True
+        with self._lock:
+            if self._pairs.get((pair.host, pair.port)) is pair:
+                del self._pairs[(pair.host, pair.port)]
+
+    def _transfer(self, pair: _Pair, runs, deadline: float) -> None:
+        if not pair.lock.acquire(timeout=_seconds_left(deadline).total_seconds()):
+            raise TimeoutError("an earlier write to this peer did not end")
+        try:
+            if pair.broken:
+                raise KVTransferError("the pair broke during an earlier write")
+            if pair.group is None:  # join: take a pair index, announce it, build the group
+                # A dead receiver refuses at once; TCPStore would retry past the deadline.
+                socket.create_connection((pair.host, pair.port),
+                                         _seconds_left(deadline).total_seconds()).close()
+                pair.store = _client(pair.host, pair.port, _seconds_left(deadline))
+                pair.index = pair.store.add("pairs", 1)
+                pair.store.queue_push("joins", str(pair.index))
+                pair.group = self._group(pair.store, pair.index, rank=0)
+                pair.stream = self._new_stream()
+            store, index = pair.store, pair.index
+            store.queue_push(f"req{index}", msgpack.packb([[dst, n] for _, dst, n in runs]))
+            store.set_timeout(_seconds_left(deadline))
+            ready = store.queue_pop(f"ready{index}")
+            if ready != b"ok":
+                raise KVTransferError(f"the receiver refused the transfer: {ready.decode()}")
+            if self.caches[0].is_cuda:  # the blocks must hold what the model wrote (on the
+                # default stream; a device-wide sync would also wait on other pairs' NCCL ops)
+                torch.cuda.default_stream(self.caches[0].device).synchronize()
+            self._send_layers(pair, [b for start, _, n in runs for b in range(start, start + n)],
+                              deadline)
+            store.set_timeout(_seconds_left(deadline))
+            ack = store.queue_pop(f"ack{index}")
+            if ack != b"ok":
+                raise KVTransferError(f"the receiver failed: {ack.decode()}")
+        finally:
+            pair.lock.release()
+
+    def _send_layers(self, pair: _Pair, src: list[int], deadline: float) -> None:
+        """Gather and send every layer's ``src`` blocks, ``_WINDOW`` layers in flight."""
+        in_flight: deque = deque()
+        with self._on_stream(pair.stream):
+            src_index = torch.tensor(src, device=self.caches[0].device)
+            for layer, cache in enumerate(self.caches):
+                staging = cache.index_select(1, src_index)
+                in_flight.append((pair.group.send([staging], 1, layer), staging))
+                if len(in_flight) > _WINDOW:
+                    _wait(in_flight.popleft()[0], deadline)
+            while in_flight:
+                _wait(in_flight.popleft()[0], deadline)
+
+    # ---- receiving side ------------------------------------------------------------------
+
+    def _pop(self, store, key: str) -> bytes | None:
+        """The next value of queue ``key`` on our own store; None once closing."""
+        while not self._closed.is_set():
+            try:
+                return store.queue_pop(key)
+            except dist.DistStoreError:  # idle past _IDLE: wait again
+                continue
+        return None
+
+    def _watch(self) -> None:
+        """Start a receiving thread for every pair that joins."""
+        try:
+            store = _client(self.host, self._server.port, _IDLE)
+            while (joined := self._pop(store, "joins")) and not self._closed.is_set():
+                index = int(joined)
+                thread = threading.Thread(target=self._receive, args=(index,), daemon=True,
+                                          name=f"tandem-kv-recv{index}")
+                with self._lock:
+                    self._receivers[index] = thread
+                thread.start()
+        except Exception as error:  # noqa: BLE001 (the store went away: closing)
+            if not self._closed.is_set():
+                logger.error("KV connector: the pair watcher stopped: %s", _first_line(error))
+
+    def _receive(self, index: int) -> None:
+        """Serve the transfers of pair ``index`` until its sender leaves, fails or we close."""
+        group = None
+        try:
+            port = self._server.port
+            control = _client(self.host, port, _IDLE)
+            group = self._group(_client(self.host, port, timedelta(seconds=self.timeout_s)),
+                                index, rank=1)
+            stream = self._new_stream()
+            while (request := self._pop(control, f"req{index}")) and not self._closed.is_set():
+                deadline = time.monotonic() + self.timeout_s
+                dst = [b for start, n in msgpack.unpackb(request) for b in range(start, start + n)]
+                num_blocks = self._descriptor["num_blocks"]
+                if any(not 0 <= block < num_blocks for block in dst):
+                    control.queue_push(f"ready{index}", f"ids outside [0, {num_blocks})".encode())
+                    continue
+                control.queue_push(f"ready{index}", b"ok")
+                try:
+                    self._receive_layers(group, stream, dst, deadline)
+                except Exception as error:  # reported to the sender, then the pair is dropped
+                    control.queue_push(f"ack{index}", _first_line(error).encode())
+                    raise
+                control.queue_push(f"ack{index}", b"ok")
+        except Exception as error:  # noqa: BLE001 (a dead or failed sender ends only its pair)
+            if not self._closed.is_set():
+                logger.warning("KV connector: dropped pair %d: %s", index, _first_line(error))
+        finally:
+            _destroy(group)
+            with self._lock:
+                self._receivers.pop(index, None)
+
+    def _receive_layers(self, group, stream, dst: list[int], deadline: float) -> None:
+        """Receive every layer into staging and scatter it into the ``dst`` blocks."""
+        first = self.caches[0]
+        shape = (2, len(dst), *first.shape[2:])
+        in_flight: deque = deque()
+
+        def scatter(layer: int, work, staging: torch.Tensor) -> None:
+            _wait(work, deadline)
+            self.caches[layer].index_copy_(1, dst_index, staging)
+
+        with self._on_stream(stream):
+            dst_index = torch.tensor(dst, device=first.device)
+            for layer in range(len(self.caches)):
+                staging = torch.empty(shape, dtype=first.dtype, device=first.device)
+                in_flight.append((layer, group.recv([staging], 0, layer), staging))
+                if len(in_flight) > _WINDOW:
+                    scatter(*in_flight.popleft())
+            while in_flight:
+                scatter(*in_flight.popleft())
+        if stream is not None:
+            stream.synchronize()
+
+    def close(self) -> None:
+        """Stop the threads, abort the pairs' groups and close the store; safe to call twice.
+        Waits at most ``_CLOSE_S`` for the threads (one mid-transfer ends within timeout_s)."""
+        self._closed.set()
+        with self._lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+            threads, self._threads = self._threads, []
+            receivers, self._receivers = dict(self._receivers), {}
+        for pair in pairs:  # in threads: a stalled peer's store must not hold close() up
+            threads.append(threading.Thread(target=pair.close, daemon=True))
+            threads[-1].start()
+        if self._server is not None:
+            with contextlib.suppress(Exception):  # empty values stop the watcher and receivers
+                for key in ["joins", *(f"req{index}" for index in receivers)]:
+                    self._server.queue_push(key, b"")
+        end = time.monotonic() + _CLOSE_S
+        for thread in [*threads, *receivers.values()]:
+            thread.join(timeout=max(end - time.monotonic(), 0.0))
+        self._server = None
+        self.caches = []
+        self._descriptor = None
