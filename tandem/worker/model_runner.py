@@ -6,6 +6,7 @@ sampling generators. It never changes a request's lifecycle; the scheduler does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,20 @@ def kv_cache_bytes_per_block(arch, block_size: int, dtype: torch.dtype,
     return 2 * layers * block_size * arch.num_kv_heads * arch.head_dim * element
 
 
+def on_runner_device(method):
+    """Run ``method`` with the runner's GPU as CUDA's current device: Triton launches its
+    kernels there, whatever the tensors' device (an engine on cuda:1, another on cuda:0)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class ModelRunner:
     """Runs the model for the scheduler's steps on one device.
 
@@ -143,9 +158,6 @@ class ModelRunner:
     ):
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cuda" and self.device.index is not None:
-            # Triton launches on the current device: make it this engine's (cuda:1, say).
-            torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.resolved_dtype_name())
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -182,6 +194,7 @@ class ModelRunner:
         self._positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         self._slots = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
 
+    @on_runner_device
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Create the paged KV cache (``num_blocks`` blocks for requests plus one scratch
         block for CUDA graphs' padding rows) and capture the graphs unless eager."""
@@ -219,6 +232,7 @@ class ModelRunner:
                 and isinstance(self.backend, TritonAttentionBackend))
 
     @torch.inference_mode()
+    @on_runner_device
     def profile_peak_bytes(self) -> int:
         """Device memory a full step needs beyond the weights: a dry run of the largest
         prefill (``max_num_batched_tokens`` tokens) and its logits, measured on CUDA."""
@@ -274,6 +288,7 @@ class ModelRunner:
 
     # ---- PD: a request's state handed from a prefill instance to a decode instance ------
 
+    @on_runner_device
     def export_handoff(self, request_id: str) -> dict:
         """What the decode instance needs beyond the KV to continue a request exactly as
         this instance would: its MTP drafts (and their distributions when sampled) and its
@@ -293,6 +308,7 @@ class ModelRunner:
             handoff["generator_state"] = state.generator.get_state().numpy().tobytes()
         return handoff
 
+    @on_runner_device
     def insert_handoff(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                        handoff: dict, seed: int | None) -> None:
         """Start the state of a request whose prompt KV a prefill instance wrote: every
@@ -366,12 +382,14 @@ class ModelRunner:
                 inputs.prompt_rows.append((plan, indices, targets))
         return inputs
 
+    @on_runner_device
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and read its results (no overlap)."""
         launched = self.launch(step)
         return self.finish(launched) if launched is not None else ModelRunnerOutput()
 
+    @on_runner_device
     @torch.inference_mode()
     def step_ahead(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         """Overlap scheduling: queue ``step``'s device work, then read the step launched by
@@ -388,6 +406,7 @@ class ModelRunner:
             output = self.finish(previous)
         return output
 
+    @on_runner_device
     @torch.inference_mode()
     def flush(self) -> ModelRunnerOutput | None:
         """Read the step launched last, if any (the end of an overlapped run)."""

@@ -30,10 +30,10 @@ def _model() -> str:
     return os.environ.get("TANDEM_MODEL") or default_model_path()
 
 
-def _run(engine: dict, **options):
+def _run(engine: dict, device: str = "cuda", **options):
     from tandem import LLM
 
-    llm = LLM(model=_model(), device="cuda", dtype="float32", kv_cache_memory_gb=4, **engine,
+    llm = LLM(model=_model(), device=device, dtype="float32", kv_cache_memory_gb=4, **engine,
               **options)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
                for q in load_mtbench()[::5]][:16]
@@ -63,3 +63,16 @@ def test_graphs_match_eager_and_hf_on_cuda(engine):
     problems, ties = tie_rule_mismatches(graphed, references)
     assert not problems, problems
     assert ties <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_an_engine_on_the_second_gpu_matches_the_first():
+    """Triton launches on CUDA's current device: the runner makes it its own for each call,
+    so an engine on cuda:1 (built while cuda:0 is current) gives cuda:0's outputs."""
+    torch.cuda.set_device(0)
+    _, first, _, _ = _run(ENGINES["plain"], device="cuda:0")
+    _, second, replays, _ = _run(ENGINES["plain"], device="cuda:1")
+    assert replays >= MAX_TOKENS // 4
+    problems, _ = tie_rule_mismatches(second, [reference_from_output(o.outputs[0]) for o in first])
+    assert not problems, problems
