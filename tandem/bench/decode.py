@@ -165,6 +165,25 @@ def kernel_totals(prof: Any, top: int = 30) -> list[dict]:
             for name, (count, us) in ranked]
 
 
+def profile_generate(llm: Any, prompts: list[dict], params: Any, top: int = 30) -> dict | None:
+    """``llm.generate`` once under the CUDA profiler: the device ops' window and busy time
+    (microseconds), their count and the ``top`` ops by total time; None if none was recorded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = llm.engine.config.device
+    sync_device(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        sync_device(device)
+    intervals, _ = device_intervals(prof)
+    if not intervals:
+        return None
+    window = (min(s for s, _ in intervals), max(e for _, e in intervals))
+    return {"window_us": window[1] - window[0],
+            "busy_us": busy_fraction(intervals, window) * (window[1] - window[0]),
+            "device_ops": len(intervals), "top": kernel_totals(prof, top)}
+
+
 def _profiled_generate(llm: Any, prompts: list[dict], params: Any, device: str) -> dict:
     """Run the prompts once more under the CUDA profiler; returns the GPU idle numbers."""
     from torch.profiler import ProfilerActivity, profile

@@ -33,28 +33,17 @@ def weight_bytes(model) -> int:
 def _kernel_profile(llm, prompts: list[dict], params, steps: int) -> dict:
     """One more run under the CUDA profiler: GPU busy time per decode step and the device
     operations that take it, by total time (what is left between a step and the roofline)."""
-    from torch.profiler import ProfilerActivity, profile
+    from tandem.bench.decode import profile_generate
 
-    from tandem.bench.decode import busy_fraction, device_intervals, kernel_totals
-    from tandem.bench.timing import sync_device
-
-    device = llm.engine.config.device
-    sync_device(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        sync_device(device)
-    intervals, _ = device_intervals(prof)
-    if not intervals:
+    profiled = profile_generate(llm, prompts, params)
+    if profiled is None:
         return {"profile_note": "the profiler recorded no CUDA events"}
-    window = (min(s for s, _ in intervals), max(e for _, e in intervals))
-    busy_us = busy_fraction(intervals, window) * (window[1] - window[0])
-    top = kernel_totals(prof)
-    for entry in top:
+    for entry in profiled["top"]:
         entry["us_per_step"] = round(entry["total_us"] / steps, 2)
-    return {"profile_busy_ms_per_step": busy_us / steps / 1000,
-            "profile_window_ms_per_step": (window[1] - window[0]) / steps / 1000,
-            "profile_device_ops_per_step": len(intervals) / steps,
-            "profile_top_device_ops": top}
+    return {"profile_busy_ms_per_step": profiled["busy_us"] / steps / 1000,
+            "profile_window_ms_per_step": profiled["window_us"] / steps / 1000,
+            "profile_device_ops_per_step": profiled["device_ops"] / steps,
+            "profile_top_device_ops": profiled["top"]}
 
 
 def run_latency_bench(model: str | None, batch_size: int, input_len: int, output_len: int,

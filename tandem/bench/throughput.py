@@ -92,28 +92,21 @@ def _run_tandem(
     return timed_generate(llm, prompts, params, use_tqdm=True)
 
 
-def _profile_tandem(llm: Any, reqs: list[BenchRequest], device: str) -> dict:
+def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
     """``reqs`` once more under the CUDA profiler: the share of the run's wall time in which
     the GPU was busy, and the device operations ranked by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
     from tandem import SamplingParams
-    from tandem.bench.decode import busy_fraction, device_intervals, kernel_totals
+    from tandem.bench.decode import profile_generate
 
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
               for r in reqs]
-    sync_device(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        sync_device(device)
-    intervals, _ = device_intervals(prof)
-    if not intervals:
+    profiled = profile_generate(llm, prompts, params, top=20)
+    if profiled is None:
         return {"note": "the profiler recorded no CUDA events"}
-    window = (min(s for s, _ in intervals), max(e for _, e in intervals))
-    return {"num_requests": len(reqs), "window_s": (window[1] - window[0]) / 1e6,
-            "gpu_busy_fraction": busy_fraction(intervals, window),
-            "device_ops": len(intervals), "top_device_ops": kernel_totals(prof, top=20)}
+    return {"num_requests": len(reqs), "window_s": profiled["window_us"] / 1e6,
+            "gpu_busy_fraction": profiled["busy_us"] / profiled["window_us"],
+            "device_ops": profiled["device_ops"], "top_device_ops": profiled["top"]}
 
 
 def _run_hf(
@@ -228,7 +221,7 @@ def run_throughput(
     model_path = llm.model_path
     warmup_ids = [t % vocab for t in llm.tokenizer.encode(_WARMUP_TEXT)]
     tandem_s, generated = _run_tandem(llm, reqs, warmup_ids, device)
-    profiled = (_profile_tandem(llm, reqs[:profile_prompts], device)
+    profiled = (_profile_tandem(llm, reqs[:profile_prompts])
                 if profile_prompts and device.startswith("cuda") else None)
     threads = torch.get_num_threads()  # after Tandem ran, in case it set its own
     del llm
