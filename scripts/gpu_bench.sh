@@ -4,7 +4,8 @@
 #
 # Usage: STAGES="tests decode" scripts/gpu_bench.sh MODEL.gguf OUT_DIR
 #   tests       the `gpu`-marked tests (Triton vs torch, graphs vs eager vs HF, overlap;
-#               GPU_TESTS names other test files or ids)
+#               with two GPUs also tensor parallelism over NCCL, an engine on cuda:1 and
+#               the NCCL connector; GPU_TESTS names other test files or ids)
 #   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) with and
 #               without overlap and MTP, MAX_TOKENS (default 128) each
 #   latency     Llama-3-8B shape (dummy weights), then MODEL, batch 1, 128 prompt + 256 output
@@ -45,7 +46,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
   case $stage in
     tests)
       timeout "${TESTS_TIMEOUT:-450}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-        ${GPU_TESTS:-tests/e2e/test_cuda_graphs.py tests/e2e/test_overlap.py tests/unit/test_triton_attention.py} 2>&1 \
+        ${GPU_TESTS:-tests/unit/test_triton_attention.py tests/e2e/test_cuda_graphs.py tests/e2e/test_overlap.py tests/e2e/test_tensor_parallel.py tests/unit/test_nccl_connector.py tests/unit/test_cuda_ipc_connector.py} 2>&1 \
         | grep -v Warn | tail -30 | tee "$out/gpu_tests.txt" ;;
     decode)
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
