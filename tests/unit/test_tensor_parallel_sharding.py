@@ -87,6 +87,9 @@ def test_parallel_config_is_validated():
         EngineConfig(parallel=ParallelConfig(2), disagg=DisaggConfig(role="prefill"))
 
 
-def test_serve_refuses_tensor_parallel(capsys):
-    assert main(["serve", "dummy:tiny", "--tensor-parallel-size", "2"]) == 2
-    assert "--tensor-parallel-size" in capsys.readouterr().err
+def test_serve_refuses_one_gpu_for_several_ranks(capsys):
+    """`tandem serve` starts the ranks itself (tests/e2e/test_tensor_parallel_serve.py); it
+    puts rank r on cuda:r, so a device index cannot go with N > 1."""
+    argv = ["serve", "dummy:tiny", "--device", "cuda:1", "--tensor-parallel-size", "2"]
+    assert main(argv) == 2
+    assert "cuda:r" in capsys.readouterr().err
