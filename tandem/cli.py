@@ -106,12 +106,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tandem.config import DisaggConfig
     from tandem.models.loader import DEFAULT_SERVED_NAME, resolve_model
+    from tandem.models.tensor_parallel import check_rank_devices
     from tandem.server.app import build_app
     from tandem.server.engine_client import AsyncEngineClient
 
-    if args.tensor_parallel_size > 1 and args.device.startswith("cuda:"):
-        raise ValueError(f"--device {args.device} with --tensor-parallel-size "
-                         f"{args.tensor_parallel_size}: give plain 'cuda' (rank r runs on cuda:r)")
+    check_rank_devices(args.device, args.tensor_parallel_size)  # before any process starts
     config = replace(engine_config(args), disagg=DisaggConfig(
         role=args.role, kv_connector=args.kv_connector, control_host=args.disagg_host,
         control_port=args.disagg_port, transfer_timeout_s=args.transfer_timeout_s))

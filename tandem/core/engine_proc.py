@@ -104,11 +104,9 @@ def free_port() -> int:
 def join_tensor_parallel_group(config: EngineConfig, setup: RankSetup) -> EngineConfig:
     """Join the ranks' process group (gloo on the CPU, nccl on CUDA; rank r takes GPU r) and
     return ``config`` with this rank's device and ParallelConfig."""
-    from tandem.models.tensor_parallel import init_process_group
+    from tandem.models.tensor_parallel import check_rank_devices, init_process_group
 
-    if config.device.startswith("cuda:"):
-        raise ValueError(f"device {config.device!r}: with tensor_parallel_size "
-                         f"{setup.world_size} give plain 'cuda' (rank r runs on cuda:r)")
+    check_rank_devices(config.device, setup.world_size)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(setup.master_port),
                       RANK=str(setup.rank), WORLD_SIZE=str(setup.world_size),
                       LOCAL_RANK=str(setup.rank))

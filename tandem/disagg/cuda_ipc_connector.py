@@ -34,7 +34,7 @@ class _HandleUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in CUDA IPC handles")
 
 
-def _device_id(device: torch.device | int) -> str:
+def gpu_id(device: torch.device | int) -> str:
     """The GPU's UUID, or its PCI address where torch does not expose the UUID."""
     props = torch.cuda.get_device_properties(device)
     uuid = getattr(props, "uuid", None)
@@ -72,7 +72,7 @@ class CudaIpcKVConnector(KVConnector):
         self.caches = list(caches)
         self._stream = torch.cuda.Stream(device)
         self._descriptor = {"kind": self.kind, "pid": os.getpid(), "device_index": device.index,
-                            "device_id": _device_id(device), "handles": pickle.dumps(handles),
+                            "device_id": gpu_id(device), "handles": pickle.dumps(handles),
                             **layout}
 
     def descriptor(self) -> dict:
@@ -94,7 +94,7 @@ class CudaIpcKVConnector(KVConnector):
                                   "handles (use the local connector)")
         index = peer.get("device_index")
         if (not isinstance(index, int) or not 0 <= index < torch.cuda.device_count()
-                or _device_id(index) != peer.get("device_id")):
+                or gpu_id(index) != peer.get("device_id")):
             raise KVTransferError(f"peer {name}: its GPU is not cuda:{index} in this process "
                                   "(another host, or a different CUDA_VISIBLE_DEVICES)")
         try:

@@ -41,8 +41,9 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from tandem.disagg.cuda_ipc_connector import _device_id
+from tandem.disagg.cuda_ipc_connector import gpu_id
 from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout
+from tandem.models.tensor_parallel import keep_nvlink_multicast_off
 
 logger = logging.getLogger("tandem.disagg")
 
@@ -156,8 +157,8 @@ class NcclKVConnector(KVConnector):
         self._descriptor = {"kind": self.kind, "device": device.type, "pid": os.getpid(),
                             "node": socket.gethostname(), **layout}
         if device.type == "cuda":
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-            self._descriptor["gpu"] = _device_id(device)
+            keep_nvlink_multicast_off()
+            self._descriptor["gpu"] = gpu_id(device)
         if self.serve:
             self._server = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
                                          timeout=timedelta(seconds=self.timeout_s))

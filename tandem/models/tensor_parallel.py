@@ -77,6 +77,14 @@ def init_process_group(device: str) -> str:
     return device
 
 
+def check_rank_devices(device: str, world_size: int) -> None:
+    """Raise ValueError for a device index with ``world_size`` > 1 ranks started for the
+    caller (``tandem serve``): rank r runs on cuda:r."""
+    if world_size > 1 and device.startswith("cuda:"):
+        raise ValueError(f"device {device!r} with tensor_parallel_size {world_size}: give "
+                         "plain 'cuda' (rank r runs on cuda:r)")
+
+
 def join_torchrun_group(device: str, tensor_parallel_size: int) -> tuple[str, int]:
     """For a command run by torchrun, one process per rank: with ``tensor_parallel_size`` > 1
     join the group (``init_process_group``) and return this rank's device and rank;

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import httpx
 import pytest
 
 from tandem.bench.datasets import load_mtbench
+from tandem.core.engine_proc import free_port
 from tandem.server.protocol import PREFILL_URL_HEADER
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine (extra 'pd')")
@@ -37,12 +37,6 @@ LOGPROB_TOLERANCE = 1e-4
 ENGINE_ARGS = ["--kv-cache-memory-gb", "0.25", "--log-level", "warning"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Fleet:
     """Processes started together, each with a log file; stopped (killed) together."""
 
@@ -52,7 +46,7 @@ class Fleet:
         self.urls: dict[str, str] = {}
 
     def start(self, name: str, args: list[str]) -> str:
-        port = _free_port()
+        port = free_port()
         with open(os.path.join(self.logs.name, f"{name}.log"), "wb") as log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "tandem.cli", *args, "--host", "127.0.0.1",

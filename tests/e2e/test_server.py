@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import openai
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.core.engine_proc import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "secret"
@@ -45,12 +45,6 @@ GAUGES = (
 # ---- fixtures ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def offline(llm_cache) -> LLM:
     """The default model in this process (shared with other tests through ``llm_cache``)."""
@@ -62,7 +56,7 @@ def offline(llm_cache) -> LLM:
 @pytest.fixture(scope="module")
 def server(request) -> str:
     """Start ``tandem serve --api-key`` once; yields its base URL (without /v1)."""
-    port = _free_port()
+    port = free_port()
     log_dir = tempfile.TemporaryDirectory(prefix="tandem-server-")
     log_path = os.path.join(log_dir.name, "server.log")
     with open(log_path, "wb") as log:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import os
 import queue
-import socket
 import traceback
 
 import pytest
@@ -17,6 +16,7 @@ import torch.multiprocessing as mp
 
 from tandem import LLM, SamplingParams
 from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
+from tandem.core.engine_proc import free_port
 
 WORLD_SIZE = 2
 TOLERANCE = 1e-4
@@ -36,12 +36,6 @@ def _prompts() -> list[dict]:
 
 def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _join_group(rank: int, port: int, device: str) -> None:
@@ -73,7 +67,7 @@ def _run_ranks(task, device: str = "cpu") -> dict:
     joined or killed on return, so a failing or hanging rank cannot hang the test run."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_rank_main, args=(rank, port, results, task, device))
                  for rank in range(WORLD_SIZE)]
     for process in processes:

@@ -177,6 +177,13 @@ def _assert_caches(receiver: Child, expected: list[torch.Tensor], num_pairs: int
     assert joined == num_pairs
 
 
+def _assert_a_fresh_receiver_works(sender: Child, fresh: Child, fresh_peer, dtype) -> None:
+    """After a failed write, the same sender writes into another receiver (seed 3)."""
+    status, message, _ = sender.ask((fresh_peer, SRC_BLOCKS, DST_BLOCKS))
+    assert status == "ok", message
+    _assert_caches(fresh, apply_writes(3, [(0, SRC_BLOCKS, DST_BLOCKS)], dtype), num_pairs=1)
+
+
 # ---- tests -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -230,10 +237,7 @@ def test_stalled_receiver_times_out_then_a_fresh_receiver_works(placement):
         assert status == "error"
         assert f"127.0.0.1:{msgpack.unpackb(stalled_peer)['port']}" in message
         assert TIMEOUT_S - 0.5 < elapsed_s < TIMEOUT_S + 1.5
-        status, message, _ = sender.ask((fresh_peer, SRC_BLOCKS, DST_BLOCKS))
-        assert status == "ok", message
-        expected = apply_writes(3, [(0, SRC_BLOCKS, DST_BLOCKS)], dtype)
-        _assert_caches(fresh, expected, num_pairs=1)
+        _assert_a_fresh_receiver_works(sender, fresh, fresh_peer, dtype)
         stalled.kill()
         sender.stop()
 
@@ -252,10 +256,7 @@ def test_dead_receiver_fails_within_timeout_then_a_fresh_receiver_works(placemen
             assert status == "error"
             assert f"127.0.0.1:{msgpack.unpackb(dead_peer)['port']}" in message
             assert elapsed_s < TIMEOUT_S
-        status, message, _ = sender.ask((fresh_peer, SRC_BLOCKS, DST_BLOCKS))
-        assert status == "ok", message
-        expected = apply_writes(3, [(0, SRC_BLOCKS, DST_BLOCKS)], dtype)
-        _assert_caches(fresh, expected, num_pairs=1)
+        _assert_a_fresh_receiver_works(sender, fresh, fresh_peer, dtype)
         sender.stop()
         fresh.stop()
 
