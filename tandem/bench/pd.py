@@ -130,6 +130,8 @@ async def _bench(args) -> dict:
                                 if d.get("pd_handoffs") else None),
             "handoff_ms_max": d.get("pd_handoff_s_max", 0.0) * 1000,
             "failures": p.get("pd_failures", 0) + d.get("pd_failures", 0),
+            "prefill_steps": p.get("num_steps", 0),
+            "decode_steps": d.get("num_steps", 0),
         })
     finally:
         await decode.shutdown()

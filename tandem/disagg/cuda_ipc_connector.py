@@ -113,8 +113,8 @@ class CudaIpcKVConnector(KVConnector):
     def _write_runs(self, peer: dict, runs: list[tuple[int, int, int]]) -> None:
         peer_caches = self._open(peer)
         try:
-            # The blocks must hold what the model wrote, not what was queued on its stream.
-            torch.cuda.synchronize(self.caches[0].device)
+            # No wait on the model's stream: write_blocks' caller guarantees the blocks are
+            # complete, and a wait would also take the step queued behind (overlap).
             with torch.cuda.stream(self._stream):
                 for src_cache, dst_cache in zip(self.caches, peer_caches, strict=True):
                     for src, dst, length in runs:

@@ -99,8 +99,11 @@ class KVConnector(ABC):
 
     def write_blocks(self, peer: dict, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Copy, for every layer, K and V of local block ``src_blocks[i]`` into the peer's block
-        ``dst_blocks[i]``; blocking. Raises KVTransferError on a layout mismatch, bad block
-        ids, or any transfer failure or timeout."""
+        ``dst_blocks[i]``; blocking. The caller guarantees that the device work that wrote
+        the source blocks is complete (the prefill role writes a request's blocks only after
+        the host read its step's outputs): connectors do not wait on the model's stream, which
+        under overlap already holds the next step. Raises KVTransferError on a layout
+        mismatch, bad block ids, or any transfer failure or timeout."""
         local = self.descriptor()
         check_compatible(local, peer)
         if len(src_blocks) != len(dst_blocks):

@@ -269,9 +269,6 @@ class NcclKVConnector(KVConnector):
             ready = store.queue_pop(f"ready{index}")
             if ready != b"ok":
                 raise KVTransferError(f"the receiver refused the transfer: {ready.decode()}")
-            if self.caches[0].is_cuda:  # the blocks must hold what the model wrote (on the
-                # default stream; a device-wide sync would also wait on other pairs' NCCL ops)
-                torch.cuda.default_stream(self.caches[0].device).synchronize()
             self._send_layers(pair, [b for start, _, n in runs for b in range(start, start + n)],
                               deadline)
             store.set_timeout(_seconds_left(deadline))

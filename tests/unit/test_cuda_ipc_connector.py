@@ -64,6 +64,7 @@ def _sender(dtype: torch.dtype, descriptors, results, done) -> None:
     try:
         connector = CudaIpcKVConnector()
         connector.register(make_caches(0, dtype, "cuda"))
+        torch.cuda.synchronize()  # write_blocks' precondition: the blocks' device work is done
         peer = msgpack.unpackb(descriptors.get(timeout=CHILD_TIMEOUT_S), raw=False)
         connector.write_blocks(peer, SRC_BLOCKS, DST_BLOCKS)
         connector.close()

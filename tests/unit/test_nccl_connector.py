@@ -98,6 +98,8 @@ def _sender(conn, seed: int, device: str = "cpu", dtype: torch.dtype = torch.flo
     connector_class = _DiesMidTransfer if dies else NcclKVConnector
     connector = connector_class(timeout_s=TIMEOUT_S, serve=False)
     connector.register(make_caches(seed, dtype, device))
+    if device != "cpu":  # write_blocks' precondition: the blocks' device work is complete
+        torch.cuda.synchronize(device)
     while (message := conn.recv()) != "stop":
         peer, src_blocks, dst_blocks = message
         start = time.monotonic()
