@@ -6,8 +6,8 @@ its first write: it takes a pair index ``k`` (``add``), pushes it on the ``joins
 both build a 2-rank group on ``PrefixStore(f"pair{k}/", store)`` (sender rank 0; no global
 process group); a thread serves each pair. A transfer: the sender pushes the destination runs
 on ``req{k}``, the receiver answers ``ready{k}`` and posts a receive per layer, the sender
-gathers each layer's blocks into a staging tensor ``(2, n, block_size, heads, head_dim)`` and
-sends it, the receiver scatters it into its cache and pushes ``ok`` (or why not) on ``ack{k}``;
+gathers runs of consecutive layers' blocks into staging tensors ``(layers, 2, n, block_size,
+heads, head_dim)`` and sends them, the receiver scatters them into its cache and pushes ``ok`` (or why not) on ``ack{k}``;
 ``write_blocks`` returns after that. Pops remove what they read.
 
 Bounds. A write runs in a daemon worker and ends within ``timeout_s``: a TCPStore client waits
@@ -47,7 +47,7 @@ from tandem.models.tensor_parallel import keep_nvlink_multicast_off
 
 logger = logging.getLogger("tandem.disagg")
 
-_WINDOW = 2  # layers in flight per transfer: overlaps gather/scatter with the wire, bounds staging
+_WINDOW = 2  # messages in flight per transfer: gather/scatter overlap the wire
 _GRACE_S = 0.25  # for the worker to report its own (more precise) error at the deadline
 _CLOSE_S = 2.0  # close() waits this long at most for the threads
 _IDLE = timedelta(hours=12)  # a blocking pop on our own store: loops on timeout
@@ -128,9 +128,17 @@ class NcclKVConnector(KVConnector):
 
     kind = "nccl"
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, serve: bool = True):
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, serve: bool = True,
+                 message_bytes: int = 64 << 20):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: expected a positive number, got {timeout_s!r}")
+        if message_bytes <= 0:
+            raise ValueError(f"message_bytes: expected a positive number, got {message_bytes!r}")
+        # A write sends runs of consecutive layers, one message of at most message_bytes per
+        # run (at least one layer): each wait for a message polls, so one message per layer
+        # made a 2,000-token prompt's write take ~50 ms between two H200s; the staging memory
+        # stays under (_WINDOW + 1) * message_bytes per side. The sender picks and announces it.
+        self.message_bytes = message_bytes
         if not dist.is_available():
             raise ImportError("the nccl KV connector needs a torch build with torch.distributed")
         self.host, self.timeout_s, self.serve = host, timeout_s, serve
@@ -264,13 +272,16 @@ class NcclKVConnector(KVConnector):
                 pair.group = self._group(pair.store, pair.index, rank=0)
                 pair.stream = self._new_stream()
             store, index = pair.store, pair.index
-            store.queue_push(f"req{index}", msgpack.packb([[dst, n] for _, dst, n in runs]))
+            num_blocks = sum(n for _, _, n in runs)
+            per_message = self._layers_per_message(num_blocks)
+            store.queue_push(f"req{index}", msgpack.packb(
+                {"runs": [[dst, n] for _, dst, n in runs], "layers_per_message": per_message}))
             store.set_timeout(_seconds_left(deadline))
             ready = store.queue_pop(f"ready{index}")
             if ready != b"ok":
                 raise KVTransferError(f"the receiver refused the transfer: {ready.decode()}")
             self._send_layers(pair, [b for start, _, n in runs for b in range(start, start + n)],
-                              deadline)
+                              per_message, deadline)
             store.set_timeout(_seconds_left(deadline))
             ack = store.queue_pop(f"ack{index}")
             if ack != b"ok":
@@ -278,14 +289,39 @@ class NcclKVConnector(KVConnector):
         finally:
             pair.lock.release()
 
-    def _send_layers(self, pair: _Pair, src: list[int], deadline: float) -> None:
-        """Gather and send every layer's ``src`` blocks, ``_WINDOW`` layers in flight."""
+    def _layers_per_message(self, num_blocks: int) -> int:
+        """As many layers of ``num_blocks`` blocks as fit in ``message_bytes``, at least one."""
+        first = self.caches[0]
+        layer_bytes = 2 * num_blocks * first[0, 0].numel() * first.element_size()
+        return max(1, self.message_bytes // layer_bytes)
+
+    def _layer_runs(self, per_message: int) -> list[range]:
+        """The runs of consecutive layers sent as one message each."""
+        return [range(start, min(start + per_message, len(self.caches)))
+                for start in range(0, len(self.caches), per_message)]
+
+    def _staging(self, layers: range, num_blocks: int) -> torch.Tensor:
+        """An empty message: ``(layers, 2, num_blocks, block_size, heads, head_dim)``."""
+        first = self.caches[0]
+        return torch.empty((len(layers), 2, num_blocks, *first.shape[2:]), dtype=first.dtype,
+                           device=first.device)
+
+    def _gather(self, layers: range, index: torch.Tensor) -> torch.Tensor:
+        """The blocks ``index`` of ``layers``, as one message."""
+        staging = self._staging(layers, len(index))
+        for row, layer in enumerate(layers):
+            torch.index_select(self.caches[layer], 1, index, out=staging[row])
+        return staging
+
+    def _send_layers(self, pair: _Pair, src: list[int], per_message: int,
+                     deadline: float) -> None:
+        """Gather and send every layer's ``src`` blocks, ``_WINDOW`` messages in flight."""
         in_flight: deque = deque()
         with self._on_stream(pair.stream):
             src_index = torch.tensor(src, device=self.caches[0].device)
-            for layer, cache in enumerate(self.caches):
-                staging = cache.index_select(1, src_index)
-                in_flight.append((pair.group.send([staging], 1, layer), staging))
+            for layers in self._layer_runs(per_message):
+                staging = self._gather(layers, src_index)
+                in_flight.append((pair.group.send([staging], 1, layers.start), staging))
                 if len(in_flight) > _WINDOW:
                     _wait(in_flight.popleft()[0], deadline)
             while in_flight:
@@ -328,14 +364,19 @@ class NcclKVConnector(KVConnector):
             stream = self._new_stream()
             while (request := self._pop(control, f"req{index}")) and not self._closed.is_set():
                 deadline = time.monotonic() + self.timeout_s
-                dst = [b for start, n in msgpack.unpackb(request) for b in range(start, start + n)]
+                request = msgpack.unpackb(request)
+                dst = [b for start, n in request["runs"] for b in range(start, start + n)]
+                per_message = request["layers_per_message"]
                 num_blocks = self._descriptor["num_blocks"]
                 if any(not 0 <= block < num_blocks for block in dst):
                     control.queue_push(f"ready{index}", f"ids outside [0, {num_blocks})".encode())
                     continue
+                if not isinstance(per_message, int) or per_message < 1:
+                    control.queue_push(f"ready{index}", b"layers_per_message must be >= 1")
+                    continue
                 control.queue_push(f"ready{index}", b"ok")
                 try:
-                    self._receive_layers(group, stream, dst, deadline)
+                    self._receive_layers(group, stream, dst, per_message, deadline)
                 except Exception as error:  # reported to the sender, then the pair is dropped
                     control.queue_push(f"ack{index}", _first_line(error).encode())
                     raise
@@ -348,21 +389,21 @@ class NcclKVConnector(KVConnector):
             with self._lock:
                 self._receivers.pop(index, None)
 
-    def _receive_layers(self, group, stream, dst: list[int], deadline: float) -> None:
-        """Receive every layer into staging and scatter it into the ``dst`` blocks."""
-        first = self.caches[0]
-        shape = (2, len(dst), *first.shape[2:])
+    def _receive_layers(self, group, stream, dst: list[int], per_message: int,
+                        deadline: float) -> None:
+        """Receive every layer's blocks, message by message, and scatter them into ``dst``."""
         in_flight: deque = deque()
 
-        def scatter(layer: int, work, staging: torch.Tensor) -> None:
+        def scatter(layers: range, work, staging: torch.Tensor) -> None:
             _wait(work, deadline)
-            self.caches[layer].index_copy_(1, dst_index, staging)
+            for row, layer in enumerate(layers):
+                self.caches[layer].index_copy_(1, dst_index, staging[row])
 
         with self._on_stream(stream):
-            dst_index = torch.tensor(dst, device=first.device)
-            for layer in range(len(self.caches)):
-                staging = torch.empty(shape, dtype=first.dtype, device=first.device)
-                in_flight.append((layer, group.recv([staging], 0, layer), staging))
+            dst_index = torch.tensor(dst, device=self.caches[0].device)
+            for layers in self._layer_runs(per_message):
+                staging = self._staging(layers, len(dst))
+                in_flight.append((layers, group.recv([staging], 0, layers.start), staging))
                 if len(in_flight) > _WINDOW:
                     scatter(*in_flight.popleft())
             while in_flight:

@@ -50,6 +50,11 @@ def make_caches(seed: int, dtype: torch.dtype = torch.float32,
             for _ in range(NUM_LAYERS)]
 
 
+def layer_bytes(num_blocks: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V of ``num_blocks`` blocks of one layer of ``make_caches``."""
+    return 2 * num_blocks * 4 * 2 * 8 * torch.empty((), dtype=dtype).element_size()
+
+
 def apply_writes(dst_seed: int, writes: list[tuple[int, list[int], list[int]]],
                  dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """The receiver's caches after each (src_seed, src_blocks, dst_blocks) write."""
@@ -82,21 +87,23 @@ def _receiver(conn, seed: int, device: str = "cpu", dtype: torch.dtype = torch.f
 class _DiesMidTransfer(NcclKVConnector):
     """A sender whose process dies after announcing a transfer and sending its first layer."""
 
-    def _send_layers(self, pair, src, deadline):
+    def _send_layers(self, pair, src, per_message, deadline):
         cache = self.caches[0]
-        pair.group.send([cache.index_select(1, torch.tensor(src, device=cache.device))], 1,
-                        0).wait()
+        index = torch.tensor(src, device=cache.device)
+        pair.group.send([self._gather(self._layer_runs(per_message)[0], index)], 1, 0).wait()
         if cache.is_cuda:  # the layer is through (NCCL's communicator is up on both sides)
             torch.cuda.synchronize(cache.device)
         os._exit(DIED_EXITCODE)
 
 
 def _sender(conn, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-            dies: bool = False) -> None:
+            dies: bool = False, message_bytes: int = 64 << 20) -> None:
     """For each (descriptor, src, dst) received, write and answer (status, message, seconds);
     close (twice) on "stop"."""
     connector_class = _DiesMidTransfer if dies else NcclKVConnector
-    connector = connector_class(timeout_s=TIMEOUT_S, serve=False)
+    # The dying sender sends one layer per message (so it dies mid-transfer).
+    connector = connector_class(timeout_s=TIMEOUT_S, serve=False,
+                                message_bytes=1 if dies else message_bytes)
     connector.register(make_caches(seed, dtype, device))
     if device != "cpu":  # write_blocks' precondition: the blocks' device work is complete
         torch.cuda.synchronize(device)
@@ -213,7 +220,9 @@ def test_two_senders_write_into_one_receiver(placement):
     send_on, receive_on, dtype = devices(placement)
     with children(("receiver", _receiver, 1, receive_on, dtype),
                   ("sender-a", _sender, 0, send_on, dtype),
-                  ("sender-b", _sender, 2, send_on, dtype)) as (receiver, sender_a, sender_b):
+                  # B's 3 blocks go as two messages: layers 0-1, then layer 2 (A: one message).
+                  ("sender-b", _sender, 2, send_on, dtype, False, 2 * layer_bytes(3, dtype))
+                  ) as (receiver, sender_a, sender_b):
         peer = receiver.answer()
         writes = {sender_a: (0, SRC_BLOCKS, DST_BLOCKS), sender_b: (2, [0, 1, 7], [4, 5, 14])}
         for sender, (_, src, dst) in writes.items():  # both in flight at once
@@ -297,6 +306,8 @@ def test_receiver_keeps_serving_after_a_sender_dies_mid_transfer(placement):
 def test_checks_before_any_transfer():
     with pytest.raises(ValueError, match="timeout_s"):
         NcclKVConnector(timeout_s=0)
+    with pytest.raises(ValueError, match="message_bytes"):
+        NcclKVConnector(message_bytes=0)
     connector = make_kv_connector("nccl", host="127.0.0.1", timeout_s=TIMEOUT_S)
     assert isinstance(connector, NcclKVConnector) and connector.kind == "nccl"
     with pytest.raises(KVTransferError, match="register"):
