@@ -14,6 +14,8 @@ requests (in a mixed instance, the long prefills share its steps), time to first
 the long requests, and for PD the KV transfer rate (bytes over the connector's write time)
 and the per-request handoff latency (from the prefill instance's ``transferring``, sent
 when its first token is done, to the decode instance holding the KV and that token).
+Before each load, a warm-up request pair takes the first-use costs (compiles, the KV
+connector's first connection); the reported numbers leave it out.
 """
 
 from __future__ import annotations
@@ -84,6 +86,26 @@ async def _load(decode_client, remote: str | None, vocab: int, args) -> dict:
     }
 
 
+async def _warm_up(client, remote: str | None, vocab: int, args) -> float:
+    """Send one long and one short request (two tokens each) at once, so first-use costs
+    (Triton compiles, the KV connector's first connection) stay out of the measured load;
+    returns the seconds it took. Raises ``RuntimeError`` if a request fails."""
+    from tandem import SamplingParams
+
+    # seeds apart from the load's (1, 2) and from each other: no prefix-cache hits
+    requests = (random_requests(1, args.long_prompt_len, 2, vocab, seed=3)
+                + random_requests(1, args.decode_prompt_len, 2, vocab, seed=4))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    records = [{"ttft": None, "itl": [], "tokens": 0, "error": None} for _ in requests]
+    start = time.perf_counter()
+    await asyncio.gather(*(_run_one(client, request.prompt, params, remote, 0.0, record)
+                           for request, record in zip(requests, records, strict=True)))
+    errors = [r["error"] for r in records if r["error"] is not None]
+    if errors:
+        raise RuntimeError(f"warm-up request failed: {errors[0]}")
+    return time.perf_counter() - start
+
+
 async def _bench(args) -> dict:
     from tandem.config import DisaggConfig
     from tandem.llm import engine_config
@@ -103,7 +125,8 @@ async def _bench(args) -> dict:
     mixed = AsyncEngineClient(base)
     await mixed.start()
     vocab = mixed.info["vocab_size"]
-    result["mixed"] = await _load(mixed, None, vocab, args)
+    warmup_s = await _warm_up(mixed, None, vocab, args)
+    result["mixed"] = {**await _load(mixed, None, vocab, args), "warmup_s": warmup_s}
     await mixed.shutdown()
     print(f"mixed: {json.dumps(result['mixed'])}", flush=True)
 
@@ -116,22 +139,34 @@ async def _bench(args) -> dict:
     try:
         await prefill.start()
         await decode.start()
-        result["pd"] = await _load(decode, prefill.info["control_address"], vocab, args)
+        remote = prefill.info["control_address"]
+        warmup_s = await _warm_up(decode, remote, vocab, args)
+        await asyncio.sleep(0.5)  # the warm-up's last stats frames
+        p0, d0 = dict(prefill.stats), dict(decode.stats)
+        result["pd"] = {**await _load(decode, remote, vocab, args), "warmup_s": warmup_s}
         await asyncio.sleep(0.5)  # the last stats frames
-        p, d = prefill.stats, decode.stats
-        seconds = p.get("pd_kv_transfer_s", 0.0)
+        p1, d1 = prefill.stats, decode.stats
+
+        def p(key):  # the prefill instance's counter over the measured load only
+            return p1.get(key, 0) - p0.get(key, 0)
+
+        def d(key):
+            return d1.get(key, 0) - d0.get(key, 0)
+
+        seconds = p("pd_kv_transfer_s")
+        # No handoff max: pd_handoff_s_max is a running max since start, so it would
+        # include the warm-up's handoff (the connector's first connection).
         result["pd"].update({
-            "kv_transfers": p.get("pd_kv_transfers", 0),
-            "kv_bytes": p.get("pd_kv_bytes", 0),
-            "kv_gb_per_s": p.get("pd_kv_bytes", 0) / seconds / 1e9 if seconds else None,
-            "kv_transfer_ms_mean": (seconds / p["pd_kv_transfers"] * 1000
-                                    if p.get("pd_kv_transfers") else None),
-            "handoff_ms_mean": (d["pd_handoff_s_sum"] / d["pd_handoffs"] * 1000
-                                if d.get("pd_handoffs") else None),
-            "handoff_ms_max": d.get("pd_handoff_s_max", 0.0) * 1000,
-            "failures": p.get("pd_failures", 0) + d.get("pd_failures", 0),
-            "prefill_steps": p.get("num_steps", 0),
-            "decode_steps": d.get("num_steps", 0),
+            "kv_transfers": p("pd_kv_transfers"),
+            "kv_bytes": p("pd_kv_bytes"),
+            "kv_gb_per_s": p("pd_kv_bytes") / seconds / 1e9 if seconds else None,
+            "kv_transfer_ms_mean": (seconds / p("pd_kv_transfers") * 1000
+                                    if p("pd_kv_transfers") else None),
+            "handoff_ms_mean": (d("pd_handoff_s_sum") / d("pd_handoffs") * 1000
+                                if d("pd_handoffs") else None),
+            "failures": p("pd_failures") + d("pd_failures"),
+            "prefill_steps": p("num_steps"),
+            "decode_steps": d("num_steps"),
         })
     finally:
         await decode.shutdown()

@@ -83,6 +83,10 @@ class CudaGraphRunner:
         """Capture one graph per (padded batch size, query length), largest first so the
         smaller graphs reuse the memory pool of the larger ones."""
         pool = torch.cuda.graph_pool_handle()
+        # A capture stream on this device: torch.cuda.graph's default one is made once per
+        # process, on the device current then (an earlier engine's), and capturing on it
+        # makes that device current, so Triton would launch there with this device's tensors.
+        stream = torch.cuda.Stream(self.input_ids.device)
         for q in self.query_lens:
             for size in reversed(self.batch_sizes):
                 self._fill(GraphBatch([], [], [], [], [], q), size)
@@ -92,7 +96,8 @@ class CudaGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: other threads (NCCL's watchdog under tensor parallelism)
                 # may query CUDA while this one captures.
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=stream,
+                                      capture_error_mode="thread_local"):
                     hidden = self._forward(size, q)
                 self.graphs[(size, q)] = _Graph(graph, hidden)
         torch.cuda.synchronize()
