@@ -253,9 +253,9 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
                      kv_cache_memory_gb: float | None = None) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
-    One engine per mode (``max_num_seqs = max(batch_sizes)``), warmed up once; each batch
-    size is one ``generate`` of that many MT-Bench prompts (greedy, ``ignore_eos``,
-    ``max_tokens`` each). Returns ``{"config": ..., "runs": [...]}`` and writes it as
+    One engine per mode (``max_num_seqs = max(batch_sizes)``), warmed up once at the largest
+    batch size; each batch size is one ``generate`` of that many MT-Bench prompts (greedy,
+    ``ignore_eos``, ``max_tokens`` each). Returns ``{"config": ..., "runs": [...]}`` and writes it as
     ``decode-<device>-<stamp>.json`` under ``out_dir`` when one is given.
     """
     import torch
@@ -281,7 +281,9 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
     for mode in modes:
         llm = _build_llm(model, mode, device, dtype, max(batch_sizes), num_speculative_tokens,
                          speculative_model, kv_cache_memory_gb)
-        llm.generate(_prompts(llm, 2), warmup, use_tqdm=False)
+        # At the largest batch: its chunked prefill mixes prefill and decode rows, whose
+        # kernel variants would otherwise compile inside the first timed run.
+        llm.generate(_prompts(llm, max(batch_sizes)), warmup, use_tqdm=False)
         for batch_size in batch_sizes:
             prompts = _prompts(llm, batch_size)
             before = llm.get_metrics()
