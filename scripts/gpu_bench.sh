@@ -6,8 +6,8 @@
 #   tests       the `gpu`-marked tests (Triton vs torch, graphs vs eager vs HF, overlap;
 #               with two GPUs also tensor parallelism over NCCL, an engine on cuda:1 and
 #               the NCCL connector; GPU_TESTS names other test files or ids)
-#   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) with and
-#               without overlap and MTP, MAX_TOKENS (default 128) each
+#   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) in MODES
+#               (default plain,overlap,mtp,mtp+overlap), MAX_TOKENS (default 128) each
 #   latency     Llama-3-8B shape (dummy weights), then MODEL, batch 1, 128 prompt + 256 output
 #               tokens: ms per token against the bandwidth roofline, with a kernel profile
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
@@ -59,7 +59,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
     decode)
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
         --batch-sizes "${BATCH_SIZES:-1,8,64}" --max-tokens "${MAX_TOKENS:-128}" \
-        --modes plain,overlap,mtp,mtp+overlap --num-speculative-tokens 3 \
+        --modes "${MODES:-plain,overlap,mtp,mtp+overlap}" --num-speculative-tokens 3 \
         --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn ;;
     latency)
       for m in dummy:llama3-8b "$model"; do

@@ -26,6 +26,7 @@ from tandem.models.tensor_parallel import (
 )
 from tandem.transfer import DeviceReader, PendingRead, copy_to, to_device
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
+from tandem.worker.spec.draft_graphs import DraftGraphRunner
 from tandem.worker.spec.proposer import MTPProposer, ProposalRow
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
 
@@ -215,6 +216,11 @@ class ModelRunner:
                 self.model, self.kv_caches, self.backend, self.block_size, max_model_len,
                 self.config.scheduler.max_num_seqs, query_lens, num_blocks, self.device)
             self.graphs.capture()
+            if self.proposer is not None and k > 1:
+                self.proposer.graphs = DraftGraphRunner(
+                    self.proposer, k, max_model_len, self.config.scheduler.max_num_seqs,
+                    num_blocks)
+                self.proposer.graphs.capture()
 
     def release(self) -> None:
         """Drop the KV cache and the CUDA graphs and return their memory to the device."""

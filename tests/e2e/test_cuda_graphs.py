@@ -42,18 +42,27 @@ def _run(engine: dict, device: str = "cuda", **options):
                            use_tqdm=False)
     graphs = llm.engine.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
+    proposer = llm.engine.runner.proposer
+    drafting = {"draft_replays": proposer.graphs.num_replays
+                if proposer is not None and proposer.graphs is not None else 0,
+                "accepted": llm.get_metrics().get("spec_decode_num_accepted_tokens", 0)}
     eos = sorted(llm.tokenizer.end_token_ids)
     llm.engine.shutdown()
-    return prompts, outputs, replays, eos
+    return prompts, outputs, replays, eos, drafting
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_graphs_match_eager_and_hf_on_cuda(engine):
-    prompts, graphed, replays, eos = _run(ENGINES[engine])
-    _, eager, eager_replays, _ = _run(ENGINES[engine], enforce_eager=True)
+    prompts, graphed, replays, eos, drafting = _run(ENGINES[engine])
+    _, eager, eager_replays, _, eager_drafting = _run(ENGINES[engine], enforce_eager=True)
     assert replays >= MAX_TOKENS // 4, f"only {replays} graph replays: graphs were not used"
     assert eager_replays == 0
+    if engine == "mtp":  # later draft depths replayed too, and drafted as well as eagerly
+        assert drafting["draft_replays"] >= MAX_TOKENS // 4
+        assert eager_drafting["draft_replays"] == 0
+        assert drafting["accepted"] >= 0.95 * eager_drafting["accepted"] > 0, (
+            drafting, eager_drafting)
     problems, ties = tie_rule_mismatches(
         graphed, [reference_from_output(o.outputs[0]) for o in eager])
     assert not problems, problems
@@ -71,8 +80,8 @@ def test_an_engine_on_the_second_gpu_matches_the_first():
     """Triton launches on CUDA's current device: the runner makes it its own for each call,
     so an engine on cuda:1 (built while cuda:0 is current) gives cuda:0's outputs."""
     torch.cuda.set_device(0)
-    _, first, _, _ = _run(ENGINES["plain"], device="cuda:0")
-    _, second, replays, _ = _run(ENGINES["plain"], device="cuda:1")
+    _, first, _, _, _ = _run(ENGINES["plain"], device="cuda:0")
+    _, second, replays, _, _ = _run(ENGINES["plain"], device="cuda:1")
     assert replays >= MAX_TOKENS // 4
     problems, _ = tie_rule_mismatches(second, [reference_from_output(o.outputs[0]) for o in first])
     assert not problems, problems

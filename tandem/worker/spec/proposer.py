@@ -49,6 +49,7 @@ class MTPProposer:
                  backend: AttentionBackend, block_size: int, device: torch.device):
         self.head, self.model, self.kv_caches = head, model, kv_caches
         self.backend, self.block_size, self.device = backend, block_size, device
+        self.graphs = None  # a DraftGraphRunner for depths >= 1 of greedy batches (CUDA)
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + (
@@ -107,9 +108,15 @@ class MTPProposer:
             self.model.arch.vocab_size, device,
         )
         max_depth = max(r.num_drafts for r in drafting_rows)
+        # Depths >= 1 by one graph replay when every row drafts greedily to the full depth.
+        graphs = self.graphs
+        graphed = (graphs is not None and batch.all_greedy
+                   and max_depth == graphs.num_depths + 1 > 1
+                   and all(r.num_drafts == max_depth for r in drafting_rows)
+                   and graphs.padded_size(len(drafting_rows)) is not None)
         tokens_per_depth: list[torch.Tensor] = []
         probs_per_depth: list[torch.Tensor | None] = []
-        for depth in range(max_depth):
+        for depth in range(1 if graphed else max_depth):
             if depth > 0:
                 hidden = self._layer_pass(
                     depth,
@@ -131,7 +138,12 @@ class MTPProposer:
                 tokens = torch.where(batch.greedy, tokens, sampled)
             tokens_per_depth.append(tokens)
             probs_per_depth.append(probs)
-        drafts = torch.stack(tokens_per_depth, dim=1)  # [rows, max_depth]
+        if graphed:
+            later = graphs.run([r.positions[-1] for r in drafting_rows],
+                               [r.block_ids for r in drafting_rows], tokens_per_depth[0], hidden)
+            drafts = torch.cat([tokens_per_depth[0].unsqueeze(1), later], dim=1)  # a copy
+        else:
+            drafts = torch.stack(tokens_per_depth, dim=1)  # [rows, max_depth]
         for index, row in enumerate(drafting_rows):
             proposal.draft_token_ids[row.request_id] = drafts[index, : row.num_drafts]
             if not sampling[row.request_id][0].greedy:

@@ -1,0 +1,127 @@
+"""CUDA graphs of the MTP head's later draft depths.
+
+Depth 0 of a proposal runs eagerly: its rows are each request's kept positions, a ragged
+batch. Depths 1..k-1 take one row per drafting request, each on the previous depth's hidden
+state and draft token at the next position, so for a greedy batch whose requests all draft
+k tokens they are the same work every step: one graph per padded batch size runs them all.
+Each depth's position, KV slot and sequence length are computed on the device from the
+request's last kept position and its block table, so a replay needs only those two and the
+depth-0 results copied into static buffers (no host value changes between the depths).
+
+Padding rows sit at position 0 of a block table that names only the scratch block (the
+cache's extra block no request owns): they write there and their drafts are dropped. On the
+CPU (tests) ``run`` computes the same chain eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.layers.triton_attention import TritonAttentionMetadata
+from tandem.transfer import copy_to
+from tandem.worker.cuda_graphs import graph_batch_sizes
+
+
+class DraftGraphRunner:
+    """Runs draft depths 1..``num_drafts - 1`` of an MTP proposer for greedy batches.
+
+    ``proposer`` is the :class:`~tandem.worker.spec.proposer.MTPProposer` whose head,
+    target model (embedding, lm_head) and MTP KV caches the graphs use; ``scratch_block``
+    the cache block padding rows write to.
+    """
+
+    def __init__(self, proposer, num_drafts: int, max_model_len: int, max_num_seqs: int,
+                 scratch_block: int):
+        self.proposer = proposer
+        self.num_depths = num_drafts - 1
+        self.scratch_block = scratch_block
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        device, block_size = proposer.device, proposer.block_size
+        hidden_size = proposer.model.arch.hidden_size
+        dtype = proposer.kv_caches[0].dtype
+        width = -(-max_model_len // block_size)
+        self.last_positions = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.block_tables = torch.full((max_num_seqs, width), scratch_block, dtype=torch.int32,
+                                       device=device)
+        self.tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.hidden = torch.zeros((max_num_seqs, hidden_size), dtype=dtype, device=device)
+        self.query_starts = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
+
+    def padded_size(self, num_rows: int) -> int | None:
+        """The batch size with a graph for ``num_rows`` drafting rows, None if too many."""
+        return next((size for size in self.batch_sizes if size >= num_rows), None)
+
+    def _chain(self, size: int) -> torch.Tensor:
+        """Depths 1..num_depths for the first ``size`` rows of the static buffers:
+        ``[size, num_depths]`` greedy draft tokens (writes the head's KV at each depth)."""
+        proposer = self.proposer
+        block_size = proposer.block_size
+        table = self.block_tables[:size]
+        tokens, hidden = self.tokens[:size], self.hidden[:size]
+        drafts = []
+        for depth in range(1, self.num_depths + 1):
+            positions = self.last_positions[:size] + depth
+            blocks = table.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+            metadata = TritonAttentionMetadata(
+                slot_mapping=blocks.long() * block_size + positions % block_size,
+                max_query_len=1,
+                block_tables=table,
+                query_start_loc_device=self.query_starts[: size + 1],
+                seq_lens_device=(positions + 1).to(torch.int32),
+            )
+            layer_index = proposer.head.layer_for_depth(depth)
+            layer = proposer.head.layers[layer_index]
+            hidden = layer(positions, proposer.model.embed_tokens(tokens), hidden,
+                           proposer.kv_caches[layer_index], metadata, proposer.backend)
+            tokens = proposer.model.compute_logits(layer.final_norm(hidden)).argmax(dim=-1)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
+
+    def _fill(self, last_positions: list[int], block_tables: list[list[int]], size: int,
+              tokens: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> None:
+        pad = size - len(last_positions)
+        block_size = self.proposer.block_size
+        width = -(-(max(last_positions + [0]) + self.num_depths + 1) // block_size)
+        table = [list(row[:width]) + [self.scratch_block] * (width - len(row[:width]))
+                 for row in block_tables] + [[self.scratch_block] * width] * pad
+        copy_to(self.last_positions[:size], last_positions + [0] * pad)
+        copy_to(self.block_tables[:size, :width], table)
+        if tokens is not None:
+            self.tokens[: len(last_positions)].copy_(tokens)
+            self.hidden[: len(last_positions)].copy_(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per padded batch size (largest first, one memory pool)."""
+        pool = torch.cuda.graph_pool_handle()
+        # A stream of this device (see CudaGraphRunner.capture).
+        stream = torch.cuda.Stream(self.proposer.device)
+        for size in reversed(self.batch_sizes):
+            self._fill([], [], size)
+            self._chain(size)  # compiles the kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream,
+                                  capture_error_mode="thread_local"):
+                drafts = self._chain(size)
+            self.graphs[size] = (graph, drafts)
+        torch.cuda.synchronize()
+
+    def run(self, last_positions: list[int], block_tables: list[list[int]],
+            tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Drafts ``[rows, num_depths]`` after depth 0's ``tokens`` [rows] and ``hidden``
+        [rows, hidden] for requests whose last kept positions and block tables are given;
+        None when no graph fits (the caller drafts eagerly). A view of a static buffer,
+        valid until the next call (copy it to keep it); the host never waits here."""
+        size = self.padded_size(len(last_positions))
+        if size is None:
+            return None
+        self._fill(last_positions, block_tables, size, tokens, hidden)
+        if not self.graphs:  # not captured (the CPU): the same chain, eagerly
+            return self._chain(size)[: len(last_positions)]
+        graph, drafts = self.graphs[size]
+        graph.replay()
+        self.num_replays += 1
+        return drafts[: len(last_positions)]
