@@ -53,9 +53,9 @@ for stage in ${STAGES:-tests decode latency throughput}; do
   case $stage in
     tests)
       timeout "${TESTS_TIMEOUT:-450}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-        ${GPU_TESTS:-tests/unit/test_triton_attention.py tests/e2e/test_cuda_graphs.py tests/e2e/test_overlap.py tests/e2e/test_tensor_parallel.py tests/unit/test_nccl_connector.py tests/unit/test_cuda_ipc_connector.py} 2>&1 \
-        | grep -v Warn > "$out/gpu_tests.txt"
-      status=$?; tail -30 "$out/gpu_tests.txt"; (exit $status) ;;
+        ${GPU_TESTS:-tests/unit/test_triton_attention.py tests/e2e/test_cuda_graphs.py tests/e2e/test_overlap.py tests/e2e/test_tensor_parallel.py tests/unit/test_nccl_connector.py tests/unit/test_cuda_ipc_connector.py} \
+        > "$out/gpu_tests.txt" 2>&1
+      status=$?; grep -v Warn "$out/gpu_tests.txt" | tail -30; (exit $status) ;;
     decode)
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
         --batch-sizes "${BATCH_SIZES:-1,8,64}" --max-tokens "${MAX_TOKENS:-128}" \
