@@ -5,10 +5,11 @@ The receiving (decode) side runs a TCPStore server; its descriptor names it. A s
 its first write: it takes a pair index ``k`` (``add``), pushes it on the ``joins`` queue, and
 both build a 2-rank group on ``PrefixStore(f"pair{k}/", store)`` (sender rank 0; no global
 process group); a thread serves each pair. A transfer: the sender pushes the destination runs
-on ``req{k}``, the receiver answers ``ready{k}`` and posts a receive per layer, the sender
-gathers runs of consecutive layers' blocks into staging tensors ``(layers, 2, n, block_size,
-heads, head_dim)`` and sends them, the receiver scatters them into its cache and pushes ``ok`` (or why not) on ``ack{k}``;
-``write_blocks`` returns after that. Pops remove what they read.
+and the layers per message on ``req{k}``, the receiver answers ``ready{k}`` and posts a
+receive per message, the sender gathers runs of consecutive layers' blocks into staging
+tensors ``(layers, 2, n, block_size, heads, head_dim)`` and sends them, the receiver scatters
+them into its cache and pushes ``ok`` (or why not) on ``ack{k}``; ``write_blocks`` returns
+after that. Pops remove what they read.
 
 Bounds. A write runs in a daemon worker and ends within ``timeout_s``: a TCPStore client waits
 forever on a stalled server, so such a worker is abandoned. Any failure drops the pair on both
@@ -135,9 +136,9 @@ class NcclKVConnector(KVConnector):
         if message_bytes <= 0:
             raise ValueError(f"message_bytes: expected a positive number, got {message_bytes!r}")
         # A write sends runs of consecutive layers, one message of at most message_bytes per
-        # run (at least one layer): each wait for a message polls, so one message per layer
-        # made a 2,000-token prompt's write take ~50 ms between two H200s; the staging memory
-        # stays under (_WINDOW + 1) * message_bytes per side. The sender picks and announces it.
+        # run (at least one layer): each wait for a message polls, so few messages mean few
+        # round trips; staging stays under (_WINDOW + 1) * message_bytes per side. The sender
+        # picks the run length and announces it with the request.
         self.message_bytes = message_bytes
         if not dist.is_available():
             raise ImportError("the nccl KV connector needs a torch build with torch.distributed")
