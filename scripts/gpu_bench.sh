@@ -52,7 +52,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
   echo "== $stage $(date +%T)"
   case $stage in
     tests)
-      timeout "${TESTS_TIMEOUT:-450}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -q -m gpu -p no:cacheprovider \
         ${GPU_TESTS:-tests/unit/test_triton_attention.py tests/e2e/test_cuda_graphs.py tests/e2e/test_overlap.py tests/e2e/test_tensor_parallel.py tests/unit/test_nccl_connector.py tests/unit/test_cuda_ipc_connector.py} \
         > "$out/gpu_tests.txt" 2>&1
       status=$?; grep -v Warn "$out/gpu_tests.txt" | tail -30; (exit $status) ;;
