@@ -165,27 +165,12 @@ def kernel_totals(prof: Any, top: int = 30) -> list[dict]:
             for name, (count, us) in ranked]
 
 
-def profile_generate(llm: Any, prompts: list[dict], params: Any, top: int = 30) -> dict | None:
-    """``llm.generate`` once under the CUDA profiler: the device ops' window and busy time
-    (microseconds), their count and the ``top`` ops by total time; None if none was recorded."""
-    from torch.profiler import ProfilerActivity, profile
-
-    device = llm.engine.config.device
-    sync_device(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        sync_device(device)
-    intervals, _ = device_intervals(prof)
-    if not intervals:
-        return None
-    window = (min(s for s, _ in intervals), max(e for _, e in intervals))
-    return {"window_us": window[1] - window[0],
-            "busy_us": busy_fraction(intervals, window) * (window[1] - window[0]),
-            "device_ops": len(intervals), "top": kernel_totals(prof, top)}
-
-
-def _profiled_generate(llm: Any, prompts: list[dict], params: Any, device: str) -> dict:
-    """Run the prompts once more under the CUDA profiler; returns the GPU idle numbers."""
+def profile_generate(llm: Any, prompts: list[dict], params: Any, device: str,
+                     top: int = 30) -> dict:
+    """``llm.generate`` once under the CUDA profiler. Always: ``wall_s``, ``device_ops``
+    (kernels, memcpys, memsets) and ``activity_counts``; when device ops were recorded, their
+    window ``window_us``, ``busy_fraction`` and ``busy_us`` of it and the ``top`` ops by total
+    time; otherwise a ``note`` saying why not."""
     from torch.profiler import ProfilerActivity, profile
 
     sync_device(device)
@@ -201,16 +186,28 @@ def _profiled_generate(llm: Any, prompts: list[dict], params: Any, device: str) 
         note = f"could not read the profiler's events: {type(e).__name__}: {e}"
     else:
         note = "the profiler recorded no CUDA kernel, memcpy or memset events"
-    result: dict = {"profile_wall_s": wall, "profile_device_events": len(intervals),
-                    "profiler_activity_counts": counts}
+    result: dict = {"wall_s": wall, "device_ops": len(intervals), "activity_counts": counts}
     if not intervals:
-        return {**result, "gpu_idle_fraction": None, "profile_window_s": None,
-                "profiler_note": note}
+        return {**result, "note": note}
     window = (min(s for s, _ in intervals), max(e for _, e in intervals))
     busy = busy_fraction(intervals, window)
-    return {**result, "gpu_idle_fraction": 1.0 - busy,
-            "profile_window_s": (window[1] - window[0]) / 1e6,
-            "profile_busy_s": busy * (window[1] - window[0]) / 1e6}
+    return {**result, "window_us": window[1] - window[0], "busy_fraction": busy,
+            "busy_us": busy * (window[1] - window[0]),
+            "top": kernel_totals(prof, top) if top else []}
+
+
+def _profiled_generate(llm: Any, prompts: list[dict], params: Any, device: str) -> dict:
+    """Run the prompts once more under the CUDA profiler; returns the GPU idle numbers."""
+    profiled = profile_generate(llm, prompts, params, device, top=0)
+    result: dict = {"profile_wall_s": profiled["wall_s"],
+                    "profile_device_events": profiled["device_ops"],
+                    "profiler_activity_counts": profiled["activity_counts"]}
+    if "note" in profiled:
+        return {**result, "gpu_idle_fraction": None, "profile_window_s": None,
+                "profiler_note": profiled["note"]}
+    return {**result, "gpu_idle_fraction": 1.0 - profiled["busy_fraction"],
+            "profile_window_s": profiled["window_us"] / 1e6,
+            "profile_busy_s": profiled["busy_us"] / 1e6}
 
 
 def _build_llm(model, mode: dict, device: str, dtype: str | None, max_num_seqs: int, k: int,

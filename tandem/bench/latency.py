@@ -35,9 +35,9 @@ def _kernel_profile(llm, prompts: list[dict], params, steps: int) -> dict:
     operations that take it, by total time (what is left between a step and the roofline)."""
     from tandem.bench.decode import profile_generate
 
-    profiled = profile_generate(llm, prompts, params)
-    if profiled is None:
-        return {"profile_note": "the profiler recorded no CUDA events"}
+    profiled = profile_generate(llm, prompts, params, llm.engine.config.device)
+    if "note" in profiled:
+        return {"profile_note": profiled["note"]}
     for entry in profiled["top"]:
         entry["us_per_step"] = round(entry["total_us"] / steps, 2)
     return {"profile_busy_ms_per_step": profiled["busy_us"] / steps / 1000,

@@ -31,6 +31,11 @@ from tandem.bench.results import result_path, write_json
 from tandem.bench.serving import latency_stats
 
 
+def _new_record() -> dict:
+    """What ``_run_one`` fills in for one request."""
+    return {"ttft": None, "itl": [], "tokens": 0, "error": None}
+
+
 async def _run_one(client, prompt: list[int], params, remote: str | None, delay: float,
                    record: dict) -> None:
     from tandem.server.engine_client import RequestFailed
@@ -66,7 +71,7 @@ async def _load(decode_client, remote: str | None, vocab: int, args) -> dict:
             ("long", long, [args.long_start_s + i * args.long_interval_s
                             for i in range(len(long))])):
         for request, delay in zip(requests, delays, strict=True):
-            record = {"ttft": None, "itl": [], "tokens": 0, "error": None}
+            record = _new_record()
             records[kind].append(record)
             params = SamplingParams(temperature=0.0, max_tokens=request.output_len,
                                     ignore_eos=True)
@@ -96,7 +101,7 @@ async def _warm_up(client, remote: str | None, vocab: int, args) -> float:
     requests = (random_requests(1, args.long_prompt_len, 2, vocab, seed=3)
                 + random_requests(1, args.decode_prompt_len, 2, vocab, seed=4))
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    records = [{"ttft": None, "itl": [], "tokens": 0, "error": None} for _ in requests]
+    records = [_new_record() for _ in requests]
     start = time.perf_counter()
     await asyncio.gather(*(_run_one(client, request.prompt, params, remote, 0.0, record)
                            for request, record in zip(requests, records, strict=True)))

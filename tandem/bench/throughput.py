@@ -101,11 +101,11 @@ def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
               for r in reqs]
-    profiled = profile_generate(llm, prompts, params, top=20)
-    if profiled is None:
-        return {"note": "the profiler recorded no CUDA events"}
+    profiled = profile_generate(llm, prompts, params, llm.engine.config.device, top=20)
+    if "note" in profiled:
+        return {"note": profiled["note"]}
     return {"num_requests": len(reqs), "window_s": profiled["window_us"] / 1e6,
-            "gpu_busy_fraction": profiled["busy_us"] / profiled["window_us"],
+            "gpu_busy_fraction": profiled["busy_fraction"],
             "device_ops": profiled["device_ops"], "top_device_ops": profiled["top"]}
 
 

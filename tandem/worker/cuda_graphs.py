@@ -15,6 +15,7 @@ Attention is the Triton backend, whose launch reads no host value, so it can be 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -28,6 +29,28 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes.update(range(16, max_num_seqs, 16))
     sizes.add(max_num_seqs)
     return sorted(sizes)
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream to capture on: torch.cuda.graph's default one is made once per process, on
+    the device current then (an earlier engine's), and capturing on it makes that device
+    current, so Triton would launch there with this device's tensors."""
+    return torch.cuda.Stream(device)
+
+
+def capture_graph(forward, pool, stream: torch.cuda.Stream
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run ``forward`` once eagerly (compiles the kernels and sets up cuBLAS outside the
+    capture), then capture it on ``stream`` into ``pool``; returns the graph and the captured
+    run's output (static: each replay rewrites it)."""
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: other threads (NCCL's watchdog under tensor parallelism) may query CUDA
+    # while this one captures.
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        output = forward()
+    return graph, output
 
 
 @dataclass
@@ -83,22 +106,11 @@ class CudaGraphRunner:
         """Capture one graph per (padded batch size, query length), largest first so the
         smaller graphs reuse the memory pool of the larger ones."""
         pool = torch.cuda.graph_pool_handle()
-        # A capture stream on this device: torch.cuda.graph's default one is made once per
-        # process, on the device current then (an earlier engine's), and capturing on it
-        # makes that device current, so Triton would launch there with this device's tensors.
-        stream = torch.cuda.Stream(self.input_ids.device)
+        stream = capture_stream(self.input_ids.device)
         for q in self.query_lens:
             for size in reversed(self.batch_sizes):
                 self._fill(GraphBatch([], [], [], [], [], q), size)
-                # One eager run compiles the kernels and sets up cuBLAS outside the capture.
-                self._forward(size, q)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: other threads (NCCL's watchdog under tensor parallelism)
-                # may query CUDA while this one captures.
-                with torch.cuda.graph(graph, pool=pool, stream=stream,
-                                      capture_error_mode="thread_local"):
-                    hidden = self._forward(size, q)
+                graph, hidden = capture_graph(partial(self._forward, size, q), pool, stream)
                 self.graphs[(size, q)] = _Graph(graph, hidden)
         torch.cuda.synchronize()
 

@@ -90,6 +90,11 @@ def test_eager_drafting_where_no_chain_applies(case):
                          .manual_seed(3))
     want, got = _propose(eager, rows, hidden, params), _propose(chained, rows, hidden, params)
     assert calls == []
+    if case == "too_many_rows":  # run itself refuses them
+        with pytest.raises(ValueError, match="largest draft graph"):
+            original([7, 13, 6], [[2, 9, 4], [5, 1, 10, 3], [0, 6, 11]],
+                     torch.zeros(3, dtype=torch.long),
+                     torch.zeros((3, eager.model.arch.hidden_size)))
     if case != "sampled":  # sampled drafts draw from generators that differ between runs
         for request_id, drafts in want.items():
             assert torch.equal(got[request_id], drafts), request_id

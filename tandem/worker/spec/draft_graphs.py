@@ -15,11 +15,13 @@ CPU (tests) ``run`` computes the same chain eagerly.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from tandem.layers.triton_attention import TritonAttentionMetadata
 from tandem.transfer import copy_to
-from tandem.worker.cuda_graphs import graph_batch_sizes
+from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch_sizes
 
 
 class DraftGraphRunner:
@@ -96,28 +98,23 @@ class DraftGraphRunner:
     def capture(self) -> None:
         """Capture one graph per padded batch size (largest first, one memory pool)."""
         pool = torch.cuda.graph_pool_handle()
-        # A stream of this device (see CudaGraphRunner.capture).
-        stream = torch.cuda.Stream(self.proposer.device)
+        stream = capture_stream(self.proposer.device)
         for size in reversed(self.batch_sizes):
             self._fill([], [], size)
-            self._chain(size)  # compiles the kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream,
-                                  capture_error_mode="thread_local"):
-                drafts = self._chain(size)
-            self.graphs[size] = (graph, drafts)
+            self.graphs[size] = capture_graph(partial(self._chain, size), pool, stream)
         torch.cuda.synchronize()
 
     def run(self, last_positions: list[int], block_tables: list[list[int]],
-            tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+            tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Drafts ``[rows, num_depths]`` after depth 0's ``tokens`` [rows] and ``hidden``
-        [rows, hidden] for requests whose last kept positions and block tables are given;
-        None when no graph fits (the caller drafts eagerly). A view of a static buffer,
-        valid until the next call (copy it to keep it); the host never waits here."""
+        [rows, hidden] for requests whose last kept positions and block tables are given
+        (at most the largest batch size: the caller checks ``padded_size``). A view of a
+        static buffer, valid until the next call (copy it to keep it); the host never waits
+        here."""
         size = self.padded_size(len(last_positions))
         if size is None:
-            return None
+            raise ValueError(f"{len(last_positions)} rows: more than the largest draft graph "
+                             f"({self.batch_sizes[-1]})")
         self._fill(last_positions, block_tables, size, tokens, hidden)
         if not self.graphs:  # not captured (the CPU): the same chain, eagerly
             return self._chain(size)[: len(last_positions)]
