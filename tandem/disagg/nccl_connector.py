@@ -235,10 +235,11 @@ class NcclKVConnector(KVConnector):
             except Exception as error:  # noqa: BLE001 (reported to the caller)
                 outcome["error"] = KVTransferError(f"KV write to {pair.name} failed: "
                                                    f"{_first_line(error)}")
-                done.set()
+                done.set()  # the caller hears of it before the pair's (slower) cleanup
                 self._forget(pair)
                 pair.close()
-            done.set()
+            else:
+                done.set()
 
         worker = threading.Thread(target=work, daemon=True, name="tandem-kv-send")
         with self._lock:
