@@ -11,7 +11,9 @@
 #   latency     Llama-3-8B shape (dummy weights), then MODEL, batch 1, 128 prompt + 256 output
 #               tokens: ms per token against the bandwidth roofline, with a kernel profile
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
-#               transformers on the first HF_PROMPTS (default 64) for reference
+#               transformers on the first HF_PROMPTS (default 64; 0: none) for reference and
+#               PROFILE_PROMPTS (default 200) profiled; THROUGHPUT_CONFIGS (default
+#               "1024:16384") lists max_num_seqs:max_num_batched_tokens pairs, one run each
 #   pd          PD_MODEL (default the 8B shape) as a prefill and a decode process on this
 #               GPU (KV over CUDA IPC) against one mixed process: decode inter-token latency
 #               under long prompts, KV GB/s, handoff latency
@@ -68,11 +70,21 @@ for stage in ${STAGES:-tests decode latency throughput}; do
           | grep --line-buffered -v Warn
       done ;;
     throughput)
-      timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench throughput --device cuda --model dummy:llama3-8b \
-        --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \
-        --max-output-len 1024 --max-num-seqs 256 --kv-cache-memory-gb 80 \
-        --hf-num-prompts "${HF_PROMPTS:-64}" --profile-prompts "${PROFILE_PROMPTS:-200}" \
-        --hf-batch-size 32 --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "it/s" ;;
+      # One run per SEQS:TOKENS pair (max_num_seqs : max_num_batched_tokens); transformers
+      # and the profile only with the first.
+      status_all=0 extra="--hf-num-prompts ${HF_PROMPTS:-64} --profile-prompts ${PROFILE_PROMPTS:-200}"
+      [ "${HF_PROMPTS:-64}" = 0 ] && extra="--skip-hf --profile-prompts ${PROFILE_PROMPTS:-200}"
+      for config in ${THROUGHPUT_CONFIGS:-1024:16384}; do
+        timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench throughput --device cuda --model dummy:llama3-8b \
+          --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \
+          --max-output-len 1024 --max-num-seqs "${config%:*}" \
+          --max-num-batched-tokens "${config#*:}" --kv-cache-memory-gb 80 $extra \
+          --hf-batch-size 32 --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "it/s" \
+          || status_all=$?
+        python3 -c "import json,glob; print(json.dumps(json.load(open(sorted(glob.glob('$out/throughput-*.json'))[-1]))['tandem_steps']))"
+        extra="--skip-hf"
+      done
+      (exit $status_all) ;;
     pd)
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench pd --device cuda \
         --model "${PD_MODEL:-dummy:llama3-8b}" --kv-connector cuda_ipc --kv-cache-memory-gb 16 \

@@ -79,9 +79,11 @@ def _metrics(num_requests: int, prompt_tokens: int, output_tokens: int, elapsed:
 
 def _run_tandem(
     llm: Any, reqs: list[BenchRequest], warmup_ids: list[int], device: str
-) -> tuple[float, int]:
-    """Generate every request with Tandem; returns (seconds, generated output tokens)."""
+) -> tuple[float, int, dict]:
+    """Generate every request with Tandem; returns (seconds, generated output tokens, the
+    run's steps summarized by shape)."""
     from tandem import SamplingParams
+    from tandem.bench.steps import summarize_steps
 
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
     params = [
@@ -89,7 +91,16 @@ def _run_tandem(
     ]
     warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=_WARMUP_TOKENS)
     llm.generate([{"prompt_token_ids": warmup_ids}], [warmup], use_tqdm=False)
-    return timed_generate(llm, prompts, params, use_tqdm=True)
+    engine = llm.engine
+    graph_steps = engine.metrics()["num_cuda_graph_steps"]
+    engine.step_log = []
+    try:
+        elapsed, generated = timed_generate(llm, prompts, params, use_tqdm=True)
+        steps = summarize_steps(engine.step_log)
+    finally:
+        engine.step_log = None
+    steps["cuda_graph_steps"] = engine.metrics()["num_cuda_graph_steps"] - graph_steps
+    return elapsed, generated, steps
 
 
 def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
@@ -220,7 +231,7 @@ def run_throughput(
     output_tokens = sum(r.output_len for r in reqs)
     model_path = llm.model_path
     warmup_ids = [t % vocab for t in llm.tokenizer.encode(_WARMUP_TEXT)]
-    tandem_s, generated = _run_tandem(llm, reqs, warmup_ids, device)
+    tandem_s, generated, steps = _run_tandem(llm, reqs, warmup_ids, device)
     profiled = (_profile_tandem(llm, reqs[:profile_prompts])
                 if profile_prompts and device.startswith("cuda") else None)
     threads = torch.get_num_threads()  # after Tandem ran, in case it set its own
@@ -251,6 +262,7 @@ def run_throughput(
         "total_prompt_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
         "tandem": _metrics(len(reqs), prompt_tokens, generated, tandem_s),
+        "tandem_steps": steps,
         "hf": None,
         "ratio": None,
     }
@@ -308,6 +320,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: Tandem's)")
     parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: Tandem's)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one step (prefill chunks and decode rows)")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
                         help="KV cache size (default: the engine's)")
     parser.add_argument("--skip-hf", action="store_true", help="measure Tandem only")
@@ -339,6 +353,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         llm_kwargs["dtype"] = args.dtype
     if args.max_num_seqs is not None:
         llm_kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        llm_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_memory_gb is not None:
         llm_kwargs["kv_cache_memory_gb"] = args.kv_cache_memory_gb
     if args.no_overlap:

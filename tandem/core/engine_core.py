@@ -14,6 +14,8 @@ as it is issued, the same code runs and simply overlaps nothing).
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +30,16 @@ from tandem.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 logger = logging.getLogger(__name__)
 # Memory kept out of the KV cache for CUDA graphs' pools and cuBLAS workspaces.
 _CUDA_GRAPH_RESERVE = 1 << 30
+
+
+@dataclass
+class StepRecord:
+    """One applied step, for benchmarks that break a run's time down by step shape."""
+
+    time_s: float  # perf_counter() when the step's results were applied
+    num_rows: int
+    num_prompt_rows: int  # rows computing prompt tokens (prefill chunks)
+    num_tokens: int  # tokens scheduled (with overlap, follow-up rows count their room)
 
 
 class EngineCore:
@@ -79,6 +91,8 @@ class EngineCore:
             "num_steps": 0,
             "num_preemptions": 0,
         }
+        # Opt-in (benchmarks set a list): one StepRecord per applied step.
+        self.step_log: list[StepRecord] | None = None
 
     def _start_pd(self, connector):
         from tandem.disagg.control import ControlChannel
@@ -226,6 +240,11 @@ class EngineCore:
         return self._apply(previous, output)
 
     def _apply(self, step: SchedulerOutput, results: ModelRunnerOutput) -> list[RequestUpdate]:
+        if self.step_log is not None:
+            self.step_log.append(StepRecord(
+                time.perf_counter(), len(step.scheduled),
+                sum(s.start < s.request.num_prompt_tokens for s in step.scheduled),
+                step.num_batched_tokens))
         updates = self.scheduler.update_from_output(step, results)
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] = self.scheduler.num_preemptions
@@ -258,6 +277,7 @@ class EngineCore:
             **self.counters,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_cuda_graph_steps": self.runner.graphs.num_replays if self.runner.graphs else 0,
             "kv_cache_usage": self.block_manager.usage,
             "num_kv_blocks": self.num_blocks,
             "num_free_kv_blocks": self.block_manager.num_free_blocks,
