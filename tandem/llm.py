@@ -126,10 +126,11 @@ class LLM:
         self.engine.abort_request(request_id)
         self.processor.abort(request_id)
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs of requests that made progress."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step; returns the outputs of requests that made progress (with
+        ``finished_only``, of those that finished)."""
         updates = self.engine.step()
-        outputs, stopped = self.processor.process(updates)
+        outputs, stopped = self.processor.process(updates, finished_only=finished_only)
         for request_id, stop_string in stopped:
             self.engine.finish_request(request_id, stop_string)
         return outputs
@@ -176,8 +177,8 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             while pending:
-                for output in self.step():
-                    if output.finished and output.request_id in pending:
+                for output in self.step(finished_only=True):
+                    if output.request_id in pending:
                         finished[output.request_id] = output
                         pending.discard(output.request_id)
                         if progress is not None:

@@ -73,10 +73,12 @@ class OutputProcessor:
         return self._output(state, delta=False)
 
     def process(
-        self, updates: list[RequestUpdate], delta: bool = False
+        self, updates: list[RequestUpdate], delta: bool = False, finished_only: bool = False
     ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Apply core updates. Returns the outputs and the (request id, stop string) pairs
-        of requests that a stop string ended, which the core must finish."""
+        """Apply core updates. Returns the outputs (with ``finished_only``, those of the
+        requests that finished: a caller that waits for whole results need not copy every
+        running request's tokens each step) and the (request id, stop string) pairs of
+        requests that a stop string ended, which the core must finish."""
         outputs: list[RequestOutput] = []
         stopped: list[tuple[str, str]] = []
         for update in updates:
@@ -96,6 +98,8 @@ class OutputProcessor:
                 state.text += state.stop_matcher.flush()
             if state.finished:
                 del self.states[state.request_id]
+            elif finished_only:
+                continue
             outputs.append(self._output(state, delta))
         return outputs, stopped
 

@@ -7,15 +7,27 @@ blocking; device-to-host reads are gathered into one :class:`DeviceReader` wait 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
+def _host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of a list, a numpy array (shared, not copied) or a tensor."""
+    if isinstance(values, torch.Tensor):
+        return values
+    if isinstance(values, np.ndarray):
+        return torch.from_numpy(values)
+    return torch.tensor(values, dtype=dtype)
+
+
 def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A device tensor of host ``values`` (a list or a host tensor), copied without a wait."""
+    """A device tensor of host ``values`` (a list, a numpy array or a host tensor), copied
+    without a wait."""
     device = torch.device(device)
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    host = _host_tensor(values, dtype)
     if device.type != "cuda":
         return host.to(dtype)
     return host.to(dtype).pin_memory().to(device, non_blocking=True)
@@ -33,11 +45,13 @@ class DeviceReader:
     """The one place where the host waits for the device. ``start`` queues a step's result
     copies right behind the step (pinned host buffers, non-blocking) and records an event;
     ``read`` waits for that event only, so the steps queued after it keep the device busy
-    while the host reads. ``num_waits`` counts the waits (tests check one per step)."""
+    while the host reads. ``num_waits`` counts the waits (tests check one per step);
+    ``wait_seconds`` sums the time spent in them (the host idle, the device the bottleneck)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.num_waits = 0
+        self.wait_seconds = 0.0
 
     def start(self, tensors: list[torch.Tensor]) -> PendingRead:
         """Queue the copies of ``tensors`` to the host (no wait)."""
@@ -56,16 +70,19 @@ class DeviceReader:
             # turns on to catch every other synchronization.
             debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(0)
+            start = time.perf_counter()
             try:
                 pending.event.synchronize()
             finally:
+                self.wait_seconds += time.perf_counter() - start
                 torch.cuda.set_sync_debug_mode(debug_mode)
         return [t.tolist() for t in pending.tensors]
 
 
-def copy_to(destination: torch.Tensor, values: list) -> None:
-    """Fill ``destination`` (a device buffer) from host ``values`` without a wait."""
-    host = torch.tensor(values, dtype=destination.dtype)
+def copy_to(destination: torch.Tensor, values) -> None:
+    """Fill ``destination`` (a device buffer) from host ``values`` (a list or a numpy
+    array) without a wait."""
+    host = _host_tensor(values, destination.dtype).to(destination.dtype)
     if destination.device.type == "cuda":
         host = host.pin_memory()
     destination.copy_(host, non_blocking=True)

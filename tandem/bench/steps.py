@@ -18,7 +18,9 @@ def summarize_steps(records: list[StepRecord]) -> dict:
 
     A step's time is the interval since the previous step was applied (with overlap
     scheduling, when the device is the bottleneck, that is the step's device time); the
-    first step has no interval and only counts."""
+    first step has no interval and only counts. ``host_wait_s``: the part of those
+    intervals the host spent waiting for device results (near zero where the host's own
+    work, not the device, set the pace)."""
     intervals = [(later, later.time_s - earlier.time_s)
                  for earlier, later in pairwise(records)]
     mixed = [(r, dt) for r, dt in intervals if r.num_prompt_rows]
@@ -34,6 +36,7 @@ def summarize_steps(records: list[StepRecord]) -> dict:
                 "steps": len(chosen),
                 "time_s": sum(dt for _, dt in chosen),
                 "mean_step_ms": 1e3 * sum(dt for _, dt in chosen) / len(chosen),
+                "host_wait_s": sum(r.wait_s for r, _ in chosen),
             })
         if high is not None:
             low = high + 1
@@ -43,6 +46,7 @@ def summarize_steps(records: list[StepRecord]) -> dict:
         "time_s": records[-1].time_s - records[0].time_s if records else 0.0,
         "steps_with_prefill": len(mixed),
         "time_in_steps_with_prefill_s": sum(dt for _, dt in mixed),
+        "host_wait_in_steps_with_prefill_s": sum(r.wait_s for r, _ in mixed),
         "mean_tokens_in_steps_with_prefill": (
             sum(r.num_tokens for r, _ in mixed) / len(mixed) if mixed else 0.0),
         "decode_only_steps": len(decode),

@@ -13,6 +13,7 @@ as it is issued, the same code runs and simply overlaps nothing).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class StepRecord:
     num_rows: int
     num_prompt_rows: int  # rows computing prompt tokens (prefill chunks)
     num_tokens: int  # tokens scheduled (with overlap, follow-up rows count their room)
+    wait_s: float  # the host's wait for device results since the previous record
 
 
 class EngineCore:
@@ -93,6 +95,14 @@ class EngineCore:
         }
         # Opt-in (benchmarks set a list): one StepRecord per applied step.
         self.step_log: list[StepRecord] | None = None
+        self._logged_wait = 0.0
+        if self.runner.device.type == "cuda":
+            # A large batch's step loop is host-bound, and the collector's full passes over
+            # every object the engine built (model, graphs, tokenizer: hundreds of
+            # thousands) take a tenth of a second or more each. Frozen, they are skipped;
+            # shutdown() thaws them. Only on CUDA: CPU engines (tests) come and go freely.
+            gc.collect()
+            gc.freeze()
 
     def _start_pd(self, connector):
         from tandem.disagg.control import ControlChannel
@@ -241,10 +251,12 @@ class EngineCore:
 
     def _apply(self, step: SchedulerOutput, results: ModelRunnerOutput) -> list[RequestUpdate]:
         if self.step_log is not None:
+            waited = self.runner.reader.wait_seconds
             self.step_log.append(StepRecord(
                 time.perf_counter(), len(step.scheduled),
                 sum(s.start < s.request.num_prompt_tokens for s in step.scheduled),
-                step.num_batched_tokens))
+                step.num_batched_tokens, waited - self._logged_wait))
+            self._logged_wait = waited
         updates = self.scheduler.update_from_output(step, results)
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] = self.scheduler.num_preemptions
@@ -270,6 +282,7 @@ class EngineCore:
             self.pd.connector.close()
             self.pd.channel.close()
         self.runner.release()
+        gc.unfreeze()  # collectable again (thaws other engines' objects too: harmless)
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges of this engine (a flat dict)."""

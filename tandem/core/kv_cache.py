@@ -46,6 +46,9 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self._req_blocks: dict[str, list[int]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}
+        # Per request: how many of its leading blocks cache_full_blocks has looked at already
+        # (each registered, or left private beside an identical cached block).
+        self._req_num_registered: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -112,8 +115,12 @@ class BlockManager:
         if not blocks:
             return
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        first = self._req_num_registered.get(request.request_id, 0)
+        if num_full <= first:
+            return  # no block became full since the last call (most decode steps)
+        self._req_num_registered[request.request_id] = num_full
         hashes = self._chain_hashes(request, num_full)
-        for index in range(num_full):
+        for index in range(first, num_full):
             block = self.blocks[blocks[index]]
             if block.block_hash is not None:
                 continue
@@ -166,6 +173,7 @@ class BlockManager:
         """Drop the request's references. Idempotent: freeing twice is a no-op."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._req_hashes.pop(request.request_id, None)
+        self._req_num_registered.pop(request.request_id, None)
         if blocks is None:
             return
         # Tail blocks first, so that shared prefixes are evicted last.

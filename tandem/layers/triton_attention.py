@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.layers.attention import (
@@ -113,6 +114,7 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr,
         ROWS: tl.constexpr,
         SHORT_Q: tl.constexpr,
+        K_ROWS: tl.constexpr,
     ):
         """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request; with
         NUM_SPLITS > 1, one of that many consecutive ranges of its key tiles, whose partial
@@ -167,12 +169,20 @@ if triton is not None:
             key_ok = key_pos < kv_end
             block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
             slot = key_pos % BLOCK_SIZE
-            k = tl.load(
-                k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
-                + kv_head * stride_kh + offs_d[:, None] * stride_kd,
-                mask=key_ok[None, :] & d_ok[:, None],
-                other=0.0,
-            )
+            if K_ROWS:  # keys as rows (each key's head_dim contiguous), then transposed
+                k = tl.trans(tl.load(
+                    k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+                    mask=key_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                ))
+            else:
+                k = tl.load(
+                    k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
+                    + kv_head * stride_kh + offs_d[:, None] * stride_kd,
+                    mask=key_ok[None, :] & d_ok[:, None],
+                    other=0.0,
+                )
             scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
             visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
@@ -261,6 +271,7 @@ def paged_attention(
     scale: float,
     num_splits: int | None = None,
     min_query_len: int | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows ``q`` [T, H_q, D] over the paged cache.
 
@@ -293,18 +304,21 @@ def paged_attention(
     if max_query_len <= short_q:
         splits = (num_kv_splits(num_seqs, num_kv_heads, 16) if num_splits is None
                   else num_splits)
-        _launch(*args, block_m=16, rows=0, splits=splits)
+        _launch(*args, block_m=16, rows=0, splits=splits, tuning=tuning)
     elif min_query_len is not None and min_query_len <= short_q:
-        _launch(*args, block_m=16, rows=1, splits=1)  # decode and verification rows
-        _launch(*args, block_m=64, rows=2, splits=1)  # prefill rows
+        _launch(*args, block_m=16, rows=1, splits=1, tuning=tuning)  # decode, verification
+        _launch(*args, block_m=64, rows=2, splits=1, tuning=tuning)  # prefill rows
     else:
-        _launch(*args, block_m=64, rows=0, splits=1)
+        _launch(*args, block_m=64, rows=0, splits=1, tuning=tuning)
     return out
 
 
 def _launch(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, group,
-            short_q, block_m: int, rows: int, splits: int) -> None:
-    """One launch of the attention kernel (plus the combination of its splits)."""
+            short_q, block_m: int, rows: int, splits: int, tuning: dict | None = None) -> None:
+    """One launch of the attention kernel (plus the combination of its splits).
+    ``tuning`` overrides launch choices (block_n, num_warps, num_stages, k_rows) for
+    measurements of variants."""
+    tuning = {"block_n": 64, "k_rows": False, **(tuning or {})}
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -333,16 +347,32 @@ def _launch(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
-        BLOCK_N=64,
+        BLOCK_N=tuning["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=splits,
         ROWS=rows,
         SHORT_Q=short_q,
+        K_ROWS=tuning["k_rows"],
+        **{k: tuning[k] for k in ("num_warps", "num_stages") if k in tuning},
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_ml, *out.stride(), num_heads,
             NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
+
+
+def block_table_array(block_tables: list[list[int]], width: int, num_rows: int | None = None,
+                      pad_block: int = 0) -> np.ndarray:
+    """The rows' block tables as one int32 array of ``width`` columns (cut or padded with
+    block 0); rows past ``len(block_tables)`` up to ``num_rows`` hold only ``pad_block``.
+    Filled row by row from the lists (a nested list through torch.tensor costs far more
+    per element, and a step at a large batch holds tens of thousands of block ids)."""
+    table = np.zeros((num_rows or len(block_tables), width), dtype=np.int32)
+    for i, row in enumerate(block_tables):
+        row = row[:width]
+        table[i, : len(row)] = row
+    table[len(block_tables):] = pad_block
+    return table
 
 
 @dataclass
@@ -362,9 +392,7 @@ class TritonAttentionBackend(AttentionBackend):
                        device) -> TritonAttentionMetadata:
         """Host lists to device tensors, copied once per step without a wait."""
         query_start = query_start_locations(query_lens)
-        max_blocks = -(-max(seq_lens) // block_size)
-        table = [list(row[:max_blocks]) + [0] * (max_blocks - len(row[:max_blocks]))
-                 for row in block_tables]
+        table = block_table_array(block_tables, -(-max(seq_lens) // block_size))
         return TritonAttentionMetadata(
             slot_mapping=slot_mapping,
             max_query_len=max(query_lens),

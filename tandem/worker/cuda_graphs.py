@@ -19,7 +19,11 @@ from functools import partial
 
 import torch
 
-from tandem.layers.triton_attention import TritonAttentionBackend, TritonAttentionMetadata
+from tandem.layers.triton_attention import (
+    TritonAttentionBackend,
+    TritonAttentionMetadata,
+    block_table_array,
+)
 from tandem.transfer import copy_to
 
 
@@ -136,8 +140,7 @@ class CudaGraphRunner:
         scratch = self.scratch_block
         scratch_slots = [scratch * self.block_size + j % self.block_size for j in range(q)]
         width = -(-max(batch.seq_lens + [q]) // self.block_size)
-        table = [row[:width] + [0] * (width - len(row[:width])) for row in batch.block_tables]
-        table += [[scratch] * width] * pad
+        table = block_table_array(batch.block_tables, width, size, pad_block=scratch)
         copy_to(self.input_ids[: size * q], batch.token_ids + [0] * (pad * q))
         copy_to(self.positions[: size * q], batch.positions + list(range(q)) * pad)
         copy_to(self.slots[: size * q], batch.slots + scratch_slots * pad)

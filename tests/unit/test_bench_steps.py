@@ -7,22 +7,24 @@ from tandem.core.engine_core import StepRecord
 
 def test_summary_splits_time_by_step_shape():
     records = [
-        StepRecord(0.0, 2, 2, 40),  # first step: counted, no interval
-        StepRecord(1.0, 3, 1, 22),  # a prefill chunk beside two decode rows: 1 s
-        StepRecord(1.5, 3, 0, 3),  # decode only, 3 rows: 0.5 s
-        StepRecord(1.75, 40, 0, 40),  # decode only, 40 rows: 0.25 s
+        StepRecord(0.0, 2, 2, 40, 0.0),  # first step: counted, no interval
+        StepRecord(1.0, 3, 1, 22, 0.5),  # a prefill chunk beside two decode rows: 1 s
+        StepRecord(1.5, 3, 0, 3, 0.25),  # decode only, 3 rows: 0.5 s
+        StepRecord(1.75, 40, 0, 40, 0.0),  # decode only, 40 rows: 0.25 s, no wait
     ]
     summary = summarize_steps(records)
     assert summary["num_steps"] == 4 and summary["time_s"] == 1.75
     assert summary["steps_with_prefill"] == 1
     assert summary["time_in_steps_with_prefill_s"] == 1.0
+    assert summary["host_wait_in_steps_with_prefill_s"] == 0.5
     assert summary["mean_tokens_in_steps_with_prefill"] == 22
     assert summary["decode_only_steps"] == 2
     assert summary["time_in_decode_only_steps_s"] == 0.75
     assert summary["mean_rows_in_decode_only_steps"] == 21.5
     assert summary["decode_only_steps_by_rows"] == [
-        {"rows": "1-8", "steps": 1, "time_s": 0.5, "mean_step_ms": 500.0},
-        {"rows": "33-64", "steps": 1, "time_s": 0.25, "mean_step_ms": 250.0},
+        {"rows": "1-8", "steps": 1, "time_s": 0.5, "mean_step_ms": 500.0, "host_wait_s": 0.25},
+        {"rows": "33-64", "steps": 1, "time_s": 0.25, "mean_step_ms": 250.0,
+         "host_wait_s": 0.0},
     ]
 
 
@@ -46,5 +48,6 @@ def test_engine_logs_each_applied_step(make_llm):
     # The last steps decode both requests: two rows, no prompt.
     assert (log[-1].num_rows, log[-1].num_prompt_rows) in {(1, 0), (2, 0)}
     assert [r.time_s for r in log] == sorted(r.time_s for r in log)
+    assert all(r.wait_s == 0.0 for r in log)  # the CPU never waits for a device
     summary = summarize_steps(log)
     assert summary["steps_with_prefill"] + summary["decode_only_steps"] == len(log) - 1
