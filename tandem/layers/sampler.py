@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.layers.sampling_kernels import filter_threshold
 from tandem.sampling_params import SamplingParams
 from tandem.transfer import to_device
 
@@ -21,7 +22,6 @@ class SamplingBatch:
     temperature: torch.Tensor  # [N] fp32, 1.0 on greedy rows (unused there)
     greedy: torch.Tensor  # [N] bool
     top_k: torch.Tensor | None  # [N] long, vocab size where disabled; None if unused
-    max_top_k: int  # the largest top_k (known on the host, so no device read is needed)
     top_p: torch.Tensor | None  # [N] fp32; None if unused
     min_p: torch.Tensor | None  # [N] fp32; None if unused
     # Per row: its own generator (seeded request) or None (the engine's generator).
@@ -52,7 +52,6 @@ class SamplingBatch:
             ),
             greedy=to_device(greedy, torch.bool, device),
             top_k=to_device(top_k, torch.long, device) if uses(top_k, vocab_size) else None,
-            max_top_k=max(top_k),
             top_p=to_device(top_p, torch.float32, device) if uses(top_p, 1.0) else None,
             min_p=to_device(min_p, torch.float32, device) if uses(min_p, 0.0) else None,
             generators=generators,
@@ -60,28 +59,28 @@ class SamplingBatch:
         )
 
 
-def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p: the distribution each row samples from."""
-    logits = logits / batch.temperature[:, None]
-    if batch.top_k is not None:
-        max_k = batch.max_top_k
-        top_values = logits.topk(max_k, dim=-1).values
-        kth = top_values.gather(1, (batch.top_k - 1).clamp(max=max_k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if batch.top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens before it already cover top_p.
-        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= batch.top_p[:, None]
-        drop_sorted &= batch.top_p[:, None] < 1.0
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    if batch.min_p is not None:
-        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p[:, None]
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+def apply_filters(logits: torch.Tensor, batch: SamplingBatch,
+                  use_triton: bool | None = None) -> torch.Tensor:
+    """The distribution each row samples from, in fp32: ``p = softmax(logits / T)``, then
+    the tokens that every active filter keeps, renormalized. Each filter keeps the tokens
+    with ``p >= t`` for a per-row threshold t, so the result does not depend on the order
+    of the vocabulary, and tokens tied at a boundary are all kept or all dropped:
+
+    - top-k: t is the k-th largest p.
+    - top-p (on the top-k set, renormalized): t is the largest value whose mass of
+      ``{p >= t}`` within the top-k set reaches ``top_p`` times the set's mass. Without ties
+      this is the smallest prefix of the sorted tokens that covers top_p; top_p = 1 keeps all.
+    - min-p: t is ``min_p * max(p)``.
+
+    The thresholds come from :func:`filter_threshold` (a search over the row where it runs
+    as a kernel, no sort); the top-p cut-off at an exact tie of mass and ``top_p`` may
+    depend on summation order."""
+    probs = (logits.float() / batch.temperature[:, None]).softmax(dim=-1)
+    if batch.top_k is None and batch.top_p is None and batch.min_p is None:
+        return probs
+    threshold = filter_threshold(probs, batch.top_k, batch.top_p, batch.min_p, use_triton)
+    kept = probs.masked_fill(probs < threshold[:, None], 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def sample(

@@ -1,7 +1,8 @@
 """Sampling for one step, all on the device: plain rows draw one token; rows with drafts
-verify them (greedy prefix match, or rejection sampling at temperature > 0) and emit 1 to
-k + 1 tokens. Every emitted token's logprob comes from the target's raw logits at its own
-position. Nothing is read back here; the model runner copies the results in one go."""
+verify them (greedy prefix match, or rejection sampling at temperature > 0, each kind for
+all its rows at once) and emit 1 to k + 1 tokens. Every emitted token's logprob comes from
+the target's raw logits at its own position. Nothing is read back here; the model runner
+copies the results in one go."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ from tandem.layers.sampler import (
 )
 from tandem.sampling_params import SamplingParams
 from tandem.transfer import to_device
-from tandem.worker.spec.verification import rejection_verify
+from tandem.worker.spec.verification import (
+    rejection_randoms,
+    rejection_verify_batch,
+    row_starts,
+)
 
 
 @dataclass
@@ -81,6 +86,46 @@ def _greedy_accepted(rows: list[SamplingRow], argmax: torch.Tensor,
     return agree.long().cumprod(dim=1).sum(dim=1)
 
 
+def _rejection_sample(
+    rows: list[SamplingRow],
+    logits: torch.Tensor,
+    row_tokens: torch.Tensor,
+    default_generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rejection sampling of all sampled rows with drafts at once; returns (accepted drafts
+    per row, candidate tokens, the logits rows they belong to)."""
+    device, vocab = logits.device, logits.shape[-1]
+    num_drafts = [r.num_drafts for r in rows]
+    logits_rows = [r.logits_start + j for r in rows for j in range(r.num_drafts + 1)]
+    # The draft checked at each position is the next row's input (unused at the last one).
+    next_rows = [r.logits_start + min(j + 1, r.num_drafts) for r in rows
+                 for j in range(r.num_drafts + 1)]
+    index = to_device(logits_rows, torch.long, device)
+    batch = SamplingBatch.build([r.params for r in rows for _ in range(r.num_drafts + 1)],
+                                [None] * len(logits_rows), vocab, device)
+    target_probs = apply_filters(logits.index_select(0, index), batch)
+    draft_tokens = row_tokens[to_device(next_rows, torch.long, device)]
+    draft_probs = torch.zeros_like(target_probs)
+    starts = row_starts(num_drafts)
+    sampled = [(start, r) for start, r in zip(starts, rows) if r.draft_probs is not None]
+    if sampled:
+        positions = [start + j for start, r in sampled for j in range(r.num_drafts)]
+        draft_probs.index_copy_(0, to_device(positions, torch.long, device), torch.cat(
+            [r.draft_probs[: r.num_drafts] for _, r in sampled]).to(draft_probs.dtype))
+    # Drafts without a distribution: q is one-hot on them.
+    one_hot = [start + j for start, r in zip(starts, rows) if r.draft_probs is None
+               for j in range(r.num_drafts)]
+    if one_hot:
+        positions = to_device(one_hot, torch.long, device)
+        draft_probs.index_put_((positions, draft_tokens[positions]),
+                               torch.ones((), device=device))
+    uniforms, noise = rejection_randoms(num_drafts, vocab, [r.generator for r in rows],
+                                        default_generator, device)
+    accepted, tokens = rejection_verify_batch(target_probs, draft_probs, draft_tokens,
+                                              num_drafts, uniforms, noise)
+    return accepted, tokens, index
+
+
 def sample_step(
     rows: list[SamplingRow],
     logits: torch.Tensor,
@@ -108,24 +153,12 @@ def sample_step(
         accepted = _greedy_accepted([rows[i] for i in greedy], candidates, row_tokens)
         num_emitted.index_copy_(0, to_device(greedy, torch.long, device), accepted + 1)
 
-    for i, row in enumerate(rows):
-        if not row.num_drafts or row.params.greedy:
-            continue
-        span = slice(row.logits_start, row.logits_start + row.num_drafts + 1)
-        length = row.num_drafts + 1
-        batch = SamplingBatch.build([row.params] * length, [None] * length, vocab, device)
-        target_probs = apply_filters(filtered[span], batch)
-        drafts = row_tokens[row.logits_start + 1 : row.logits_start + length]
-        draft_probs = row.draft_probs
-        if draft_probs is None:  # drafts without a distribution: q is one-hot on them
-            draft_probs = target_probs.new_zeros((row.num_drafts, vocab)).scatter_(
-                1, drafts[:, None], 1.0)
-        accepted, tokens = rejection_verify(
-            target_probs, draft_probs[: row.num_drafts], drafts,
-            row.generator if row.generator is not None else default_generator,
-        )
-        candidates[span] = tokens
-        num_emitted[i] = accepted + 1
+    drafted = [i for i, r in enumerate(rows) if r.num_drafts and not r.params.greedy]
+    if drafted:
+        accepted, tokens, logits_rows = _rejection_sample(
+            [rows[i] for i in drafted], filtered, row_tokens, default_generator)
+        candidates.index_copy_(0, logits_rows, tokens)
+        num_emitted.index_copy_(0, to_device(drafted, torch.long, device), accepted + 1)
 
     logprob_rows = [row.logits_start + j for row in rows if row.params.logprobs is not None
                     for j in range(1 + row.num_drafts)]

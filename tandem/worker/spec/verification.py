@@ -1,11 +1,15 @@
 """Draft verification on the device: greedy (longest agreeing prefix plus a bonus token) and
 rejection sampling, which keeps the target distribution exactly (Leviathan et al.; Chen et
-al.). Nothing here reads a value back to the host: the number of accepted drafts stays a
-device tensor until the step's one device-to-host copy."""
+al.): :func:`rejection_verify` for one request (the reference), and
+:func:`rejection_verify_batch` for every sampled request of a step at once. Nothing here
+reads a value back to the host: the number of accepted drafts stays a device tensor until
+the step's one device-to-host copy."""
 
 from __future__ import annotations
 
 import torch
+
+from tandem.transfer import to_device
 
 
 def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -19,9 +23,7 @@ def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> to
 
 def exact_draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One exact draw per row of (not necessarily normalized) distributions [R, V]."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    # Zero noise happens: never let it lift a zero-probability token.
-    return torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
+    return _race(probs, torch.empty_like(probs).exponential_(generator=generator))
 
 
 def rejection_verify(
@@ -54,3 +56,97 @@ def rejection_verify(
     positions = torch.arange(k + 1, device=target_probs.device)
     candidates = torch.where(positions < accepted, torch.cat([draft_tokens, draws[k:]]), draws)
     return accepted, candidates
+
+
+def rejection_randoms(
+    num_drafts: list[int],
+    vocab_size: int,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random numbers of :func:`rejection_verify_batch`: uniforms [R, max k] (row i
+    uses its first k_i) and exponential noise [sum(k_i + 1), V] (k_i + 1 rows per request).
+
+    A seeded request draws from its own generator exactly what :func:`rejection_verify`
+    draws (k uniforms, then a (k + 1) x V noise block), so it gets the same tokens alone or
+    in any batch; unseeded requests share one draw of each from ``default_generator``."""
+    starts = row_starts(num_drafts)
+    uniforms = torch.zeros((len(num_drafts), max(num_drafts, default=0)), device=device)
+    noise = torch.empty((starts[-1], vocab_size), device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        uniforms.uniform_(generator=default_generator)
+        noise.exponential_(generator=default_generator)
+    elif unseeded:
+        uniforms.index_copy_(0, to_device(unseeded, torch.long, device), torch.rand(
+            (len(unseeded), uniforms.shape[1]), generator=default_generator, device=device))
+        rows = [starts[i] + j for i in unseeded for j in range(num_drafts[i] + 1)]
+        noise.index_copy_(0, to_device(rows, torch.long, device), torch.empty(
+            (len(rows), vocab_size), device=device).exponential_(generator=default_generator))
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            k = num_drafts[i]
+            uniforms[i, :k] = torch.rand((k,), generator=generator, device=device)
+            noise[starts[i] : starts[i + 1]].exponential_(generator=generator)
+    return uniforms, noise
+
+
+def rejection_verify_batch(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    num_drafts: list[int],
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rejection_verify` for R requests at once, given their random numbers (from
+    :func:`rejection_randoms`); returns (accepted counts [R], candidate tokens [T]).
+
+    Request i owns k_i + 1 consecutive rows of the flat layout (T = sum(k_i + 1)): its
+    positions before each draft, then the bonus position. Per row: ``target_probs`` [T, V]
+    the target's filtered distribution, ``draft_probs`` [T, V] the draft distribution and
+    ``draft_tokens`` [T] the draft checked there (both ignored on bonus rows). Drafts past a
+    request's own k_i are never accepted. With the same random numbers, each request's
+    count and k_i + 1 candidates equal :func:`rejection_verify`'s."""
+    device = target_probs.device
+    max_drafts = uniforms.shape[1]
+    starts = row_starts(num_drafts)
+    # Host-built maps of the flat layout (no device value is read).
+    padded = [[start + min(j, k) for j in range(max_drafts)]
+              for start, k in zip(starts, num_drafts)]
+    valid = [[j < k for j in range(max_drafts)] for k in num_drafts]
+    owner = [i for i, k in enumerate(num_drafts) for _ in range(k + 1)]
+    offset = [j for k in num_drafts for j in range(k + 1)]
+    is_bonus = [j == k for k in num_drafts for j in range(k + 1)]
+
+    index = draft_tokens[:, None]
+    p = target_probs.gather(1, index).squeeze(1)
+    q = draft_probs.gather(1, index).squeeze(1)
+    padded_index = to_device(padded, torch.long, device)
+    passes = (uniforms * q[padded_index] < p[padded_index]) & to_device(valid, torch.bool,
+                                                                           device)
+    accepted = passes.long().cumprod(dim=1).sum(dim=1)
+    residual = (target_probs - draft_probs).clamp_min(0)
+    # Bonus rows draw from p itself, as do rows where p == q leaves no residual mass.
+    from_target = (residual.sum(dim=-1, keepdim=True) <= 0) | to_device(
+        is_bonus, torch.bool, device)[:, None]
+    draws = _race(torch.where(from_target, target_probs, residual), noise)
+    emits_draft = to_device(offset, torch.long, device) < accepted[
+        to_device(owner, torch.long, device)]
+    return accepted, torch.where(emits_draft, draft_tokens, draws)
+
+
+def row_starts(num_drafts: list[int]) -> list[int]:
+    """The first row of each request in the flat layout of :func:`rejection_verify_batch`
+    (k_i + 1 rows per request), then the total number of rows."""
+    starts = [0]
+    for k in num_drafts:
+        starts.append(starts[-1] + k + 1)
+    return starts
+
+
+def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per row the index maximizing probs / noise (an exact draw for exponential noise)."""
+    # Zero noise happens: never let it lift a zero-probability token.
+    return torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)

@@ -1,8 +1,9 @@
 """On a GPU: time the Triton paged attention kernel's launch variants (key tile, warps,
-pipeline stages) on Llama-3-8B-shaped decode and prefill batches, and the
-8B's GEMMs at the same batch sizes, against the memory and matrix ceilings. Writes JSON.
+pipeline stages) on Llama-3-8B-shaped decode and prefill batches, the 8B's GEMMs at the
+same batch sizes, and the top-k/top-p threshold search against a sort of the vocabulary.
+Writes JSON.
 
-Usage: python scripts/attention_sweep.py OUT_DIR
+Usage: python scripts/kernel_sweep.py OUT_DIR [SECTIONS]   (default attention,gemm,sampling)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import torch
 import triton.testing
 
+from tandem.layers.sampling_kernels import filter_threshold, filter_threshold_reference
 from tandem.layers.triton_attention import paged_attention
 
 H_Q, H_KV, D, BLOCK = 32, 8, 128, 16
@@ -59,13 +61,40 @@ def cases(generator: torch.Generator) -> dict:
     }
 
 
-def main(out_dir: str) -> None:
+def sampling_thresholds() -> dict:
+    """The per-row top-k / top-p threshold: the search kernel against the sort-based
+    reference, both on the GPU, at the 8B's vocabulary."""
+    vocab = 128_256
+    timings = {}
+    for rows in (64, 256):
+        probs = torch.randn((rows, vocab), device="cuda").mul(4).softmax(dim=-1)
+        filters = {"top_k=50": (torch.full((rows,), 50, device="cuda"), None),
+                   "top_p=0.9": (None, torch.full((rows,), 0.9, device="cuda")),
+                   "top_k=50,top_p=0.9": (torch.full((rows,), 50, device="cuda"),
+                                          torch.full((rows,), 0.9, device="cuda"))}
+        for name, (top_k, top_p) in filters.items():
+            same = torch.equal(filter_threshold(probs, top_k, top_p, None),
+                               filter_threshold_reference(probs, top_k, top_p, None))
+            kernel = triton.testing.do_bench(
+                lambda k=top_k, p=top_p, x=probs: filter_threshold(x, k, p, None))
+            sort = triton.testing.do_bench(
+                lambda k=top_k, p=top_p, x=probs: filter_threshold_reference(x, k, p, None))
+            timings[f"{rows}x{vocab} {name}"] = {"kernel_ms": kernel, "sort_ms": sort,
+                                                 "equal": same}
+            print(f"threshold {rows}x{vocab} {name}: kernel {kernel:.3f} ms, sort {sort:.3f} ms,"
+                  f" equal {same}", flush=True)
+    return timings
+
+
+def main(out_dir: str, sections: str = "attention,gemm,sampling") -> None:
     generator = torch.Generator().manual_seed(0)
     variants = [{"block_n": n, "num_warps": w, "num_stages": s}
                 for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "attention": {}, "gemm": {}}
     for name, (query_lens, ctx_lens) in cases(generator).items():
+        if "attention" not in sections:
+            break
         batch = make_batch(query_lens, ctx_lens, generator)
         kv_bytes = batch.pop("kv_bytes")
         reference = paged_attention(**batch, scale=D ** -0.5)
@@ -91,7 +120,7 @@ def main(out_dir: str) -> None:
               flush=True)
     shapes = {"qkv": (HIDDEN, 6144), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * INTERMEDIATE),
               "down": (INTERMEDIATE, HIDDEN), "lm_head": (HIDDEN, 128256)}
-    for m in (64, 256, 512, 800, 1024, 8192):
+    for m in (64, 256, 512, 800, 1024, 8192) if "gemm" in sections else ():
         for name, (k, n) in shapes.items():
             x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
             w = torch.randn((n, k), dtype=torch.bfloat16, device="cuda")
@@ -103,11 +132,13 @@ def main(out_dir: str) -> None:
         total = sum(result["gemm"][f"{n}_m{m}"]["ms"] for n in shapes if n != "lm_head")
         print(f"GEMMs of one layer at M={m}: {total:.3f} ms -> 32 layers {32 * total:.2f} ms",
               flush=True)
-    path = f"{out_dir}/attention-sweep-h200-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    if "sampling" in sections:
+        result["sampling"] = sampling_thresholds()
+    path = f"{out_dir}/kernel-sweep-h200-{time.strftime('%Y%m%d-%H%M%S')}.json"
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
