@@ -12,7 +12,8 @@
 #               tokens: ms per token against the bandwidth roofline, with a kernel profile
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
 #               transformers on the first HF_PROMPTS (default 64; 0: none) for reference and
-#               PROFILE_PROMPTS (default 200) profiled; THROUGHPUT_CONFIGS (default
+#               PROFILE_PROMPTS (default 200) profiled (HOST_PROFILE=1: all of them again
+#               under cProfile); THROUGHPUT_CONFIGS (default
 #               "1024:16384") lists max_num_seqs:max_num_batched_tokens pairs, one run each
 #   pd          PD_MODEL (default the 8B shape) as a prefill and a decode process on this
 #               GPU (KV over CUDA IPC) against one mixed process: decode inter-token latency
@@ -74,6 +75,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       # and the profile only with the first.
       status_all=0 extra="--hf-num-prompts ${HF_PROMPTS:-64} --profile-prompts ${PROFILE_PROMPTS:-200}"
       [ "${HF_PROMPTS:-64}" = 0 ] && extra="--skip-hf --profile-prompts ${PROFILE_PROMPTS:-200}"
+      [ -n "${HOST_PROFILE:-}" ] && extra="$extra --host-profile"
       for config in ${THROUGHPUT_CONFIGS:-1024:16384}; do
         timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench throughput --device cuda --model dummy:llama3-8b \
           --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from tandem.sampling_params import SamplingParams
 
@@ -22,8 +23,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self in _FINISHED_STATUSES
 
+
+_FINISHED_STATUSES = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                                RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
 # One generated position's logprobs: (sampled token id, its logprob, its rank,
 # [(top token id, logprob), ...] sorted by logprob descending).
@@ -79,6 +83,12 @@ class Request:
         """The output limit; without one, the model's context is the only limit."""
         max_tokens = self.sampling_params.max_tokens
         return max_tokens if max_tokens is not None else 1 << 62
+
+    @cached_property
+    def end_token_ids(self) -> set[int]:
+        """Tokens that finish the request after min_tokens (its sampling parameters are
+        fixed once it exists, so this is computed once, not per generated token)."""
+        return self.sampling_params.end_token_ids()
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

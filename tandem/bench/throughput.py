@@ -120,6 +120,26 @@ def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
             "device_ops": profiled["device_ops"], "top_device_ops": profiled["top"]}
 
 
+def _host_profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
+    """``reqs`` once more under cProfile: the host's hot functions, and the steps by shape
+    of that (slowed) run."""
+    from tandem import SamplingParams
+    from tandem.bench.host_profile import profile_host
+    from tandem.bench.steps import summarize_steps
+
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+              for r in reqs]
+    engine = llm.engine
+    engine.step_log = []
+    try:
+        profile = profile_host(lambda: llm.generate(prompts, params, use_tqdm=False))
+        profile["steps"] = summarize_steps(engine.step_log)
+    finally:
+        engine.step_log = None
+    return profile
+
+
 def _run_hf(
     model_path: str,
     reqs: list[BenchRequest],
@@ -198,12 +218,14 @@ def run_throughput(
     skip_hf: bool = False,
     hf_num_prompts: int | None = None,
     profile_prompts: int = 0,
+    host_profile: bool = False,
 ) -> dict:
     """Measure Tandem's (and unless ``skip_hf`` transformers') offline throughput.
 
     ``hf_num_prompts`` runs transformers on the first that many requests only (a slow
     reference on a big model); its rates are per second all the same. ``profile_prompts``
-    (CUDA) runs that many of the requests once more under the profiler (``tandem_profile``).
+    (CUDA) runs that many of the requests once more under the profiler (``tandem_profile``);
+    ``host_profile`` runs all of them once more under cProfile (``tandem_host_profile``).
     Writes the result to ``out_dir/throughput-<dataset>-<device>[-tpN]-<timestamp>.json`` (no
     file without ``out_dir``), prints a markdown table and returns the result dict
     (``output_path`` says where it went).
@@ -234,6 +256,7 @@ def run_throughput(
     tandem_s, generated, steps = _run_tandem(llm, reqs, warmup_ids, device)
     profiled = (_profile_tandem(llm, reqs[:profile_prompts])
                 if profile_prompts and device.startswith("cuda") else None)
+    host_profiled = _host_profile_tandem(llm, reqs) if host_profile else None
     threads = torch.get_num_threads()  # after Tandem ran, in case it set its own
     del llm
     gc.collect()
@@ -268,6 +291,8 @@ def run_throughput(
     }
     if profiled is not None:
         result["tandem_profile"] = profiled
+    if host_profiled is not None:
+        result["tandem_host_profile"] = host_profiled
     safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device.split(":")[0])
     tp = llm_kwargs.get("tensor_parallel_size", 1)
     path = (result_path(out_dir, f"throughput-{dataset}-{safe_device}"
@@ -328,6 +353,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-prompts", type=int, default=0,
                         help="CUDA: run the first N requests again under the profiler (GPU "
                         "busy share, top device ops)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="run the requests again under cProfile (the host's hot functions)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N ranks, one process each, started by torchrun (with --skip-hf)")
     parser.add_argument("--hf-num-prompts", type=int, default=None,
@@ -372,5 +399,6 @@ def main_from_args(args: argparse.Namespace) -> int:
         skip_hf=args.skip_hf,
         hf_num_prompts=args.hf_num_prompts,
         profile_prompts=args.profile_prompts,
+        host_profile=args.host_profile,
     )
     return 0

@@ -51,3 +51,16 @@ def test_engine_logs_each_applied_step(make_llm):
     assert all(r.wait_s == 0.0 for r in log)  # the CPU never waits for a device
     summary = summarize_steps(log)
     assert summary["steps_with_prefill"] + summary["decode_only_steps"] == len(log) - 1
+
+
+def test_host_profile_ranks_the_functions_that_ran():
+    from tandem.bench.host_profile import profile_host
+
+    def busy(n):
+        return sum(i * i for i in range(n))
+
+    profile = profile_host(lambda: [busy(20_000) for _ in range(5)], top=5)
+    own = profile["by_own_time"]
+    assert len(own) == 5 and own == sorted(own, key=lambda r: r["own_s"], reverse=True)
+    assert any("busy" in r["function"] for r in profile["by_cumulative_time"])
+    assert profile["total_s"] > 0

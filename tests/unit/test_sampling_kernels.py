@@ -221,7 +221,8 @@ def test_compiled_kernel_equals_the_reference_at_a_llama3_vocabulary():
         goal = (cumulative[rank - 1] + cumulative[rank]) / 2
         top_p[row] = float(goal / cumulative[-1])
     expected = filter_threshold_reference(probs, top_k, top_p, min_p)
-    got = filter_threshold(probs.cuda(), top_k.cuda(), top_p.cuda(), min_p.cuda())
+    got = filter_threshold(probs.cuda(), top_k.cuda(), top_p.cuda(), min_p.cuda(),
+                           use_triton=True)
     assert torch.equal(got.cpu().view(torch.int32), expected.view(torch.int32))
     active = (top_k < vocab) | (top_p < 1) | (min_p > 0)
     assert bool((expected[active] > 0).all()) and bool((expected[~active] == 0).all())
