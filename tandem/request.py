@@ -34,7 +34,7 @@ _FINISHED_STATUSES = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FI
 TokenLogprobs = tuple[int, float, int, list[tuple[int, float]]]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list lookups compare no fields
 class Request:
     """A request as the scheduler sees it: tokens, progress and finish state."""
 

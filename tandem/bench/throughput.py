@@ -77,6 +77,17 @@ def _metrics(num_requests: int, prompt_tokens: int, output_tokens: int, elapsed:
     }
 
 
+def _engine_inputs(reqs: list[BenchRequest]) -> tuple[list[dict], list]:
+    """The requests as Tandem prompts and greedy sampling parameters (their own output
+    lengths, ignore_eos)."""
+    from tandem import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+              for r in reqs]
+    return prompts, params
+
+
 def _run_tandem(
     llm: Any, reqs: list[BenchRequest], warmup_ids: list[int], device: str
 ) -> tuple[float, int, dict]:
@@ -85,10 +96,7 @@ def _run_tandem(
     from tandem import SamplingParams
     from tandem.bench.steps import summarize_steps
 
-    prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
-    params = [
-        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in reqs
-    ]
+    prompts, params = _engine_inputs(reqs)
     warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=_WARMUP_TOKENS)
     llm.generate([{"prompt_token_ids": warmup_ids}], [warmup], use_tqdm=False)
     engine = llm.engine
@@ -106,12 +114,9 @@ def _run_tandem(
 def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
     """``reqs`` once more under the CUDA profiler: the share of the run's wall time in which
     the GPU was busy, and the device operations ranked by total time."""
-    from tandem import SamplingParams
     from tandem.bench.decode import profile_generate
 
-    prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
-              for r in reqs]
+    prompts, params = _engine_inputs(reqs)
     profiled = profile_generate(llm, prompts, params, llm.engine.config.device, top=20)
     if "note" in profiled:
         return {"note": profiled["note"]}
@@ -123,13 +128,10 @@ def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
 def _host_profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
     """``reqs`` once more under cProfile: the host's hot functions, and the steps by shape
     of that (slowed) run."""
-    from tandem import SamplingParams
     from tandem.bench.host_profile import profile_host
     from tandem.bench.steps import summarize_steps
 
-    prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
-              for r in reqs]
+    prompts, params = _engine_inputs(reqs)
     engine = llm.engine
     engine.step_log = []
     try:
