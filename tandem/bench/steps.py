@@ -5,12 +5,24 @@ few long requests ran)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 
-from tandem.core.engine_core import StepRecord
+from tandem.core.engine_core import EngineCore, StepRecord
 
 # Upper ends of the row-count buckets of decode-only steps.
 _ROW_BUCKETS = (8, 32, 64, 128, 256, 512, 1024)
+
+
+@contextmanager
+def recording_steps(engine: EngineCore) -> Iterator[list[StepRecord]]:
+    """The engine logs every applied step into the yielded list while the block runs."""
+    engine.step_log = []
+    try:
+        yield engine.step_log
+    finally:
+        engine.step_log = None
 
 
 def summarize_steps(records: list[StepRecord]) -> dict:

@@ -94,19 +94,16 @@ def _run_tandem(
     """Generate every request with Tandem; returns (seconds, generated output tokens, the
     run's steps summarized by shape)."""
     from tandem import SamplingParams
-    from tandem.bench.steps import summarize_steps
+    from tandem.bench.steps import recording_steps, summarize_steps
 
     prompts, params = _engine_inputs(reqs)
     warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=_WARMUP_TOKENS)
     llm.generate([{"prompt_token_ids": warmup_ids}], [warmup], use_tqdm=False)
     engine = llm.engine
     graph_steps = engine.metrics()["num_cuda_graph_steps"]
-    engine.step_log = []
-    try:
+    with recording_steps(engine) as log:
         elapsed, generated = timed_generate(llm, prompts, params, use_tqdm=True)
-        steps = summarize_steps(engine.step_log)
-    finally:
-        engine.step_log = None
+    steps = summarize_steps(log)
     steps["cuda_graph_steps"] = engine.metrics()["num_cuda_graph_steps"] - graph_steps
     return elapsed, generated, steps
 
@@ -129,16 +126,12 @@ def _host_profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
     """``reqs`` once more under cProfile: the host's hot functions, and the steps by shape
     of that (slowed) run."""
     from tandem.bench.host_profile import profile_host
-    from tandem.bench.steps import summarize_steps
+    from tandem.bench.steps import recording_steps, summarize_steps
 
     prompts, params = _engine_inputs(reqs)
-    engine = llm.engine
-    engine.step_log = []
-    try:
+    with recording_steps(llm.engine) as log:
         profile = profile_host(lambda: llm.generate(prompts, params, use_tqdm=False))
-        profile["steps"] = summarize_steps(engine.step_log)
-    finally:
-        engine.step_log = None
+    profile["steps"] = summarize_steps(log)
     return profile
 
 

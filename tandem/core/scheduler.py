@@ -325,41 +325,32 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Advance each scheduled request by the step's results and apply stop conditions."""
         updates: list[RequestUpdate] = []
-        # Looked up once: this loop runs for every row of every step.
-        all_sampled = runner_output.sampled_token_ids
-        all_verified = runner_output.num_verified_drafts
-        all_prompt_logprobs = runner_output.prompt_logprobs
-        all_logprobs = runner_output.logprobs
-        all_drafts = runner_output.num_drafts
-        cache_full_blocks = self.block_manager.cache_full_blocks
         for row in output.scheduled:
             request = row.request
             request.num_in_flight -= 1
             if request.is_finished:
                 continue  # finished or aborted while the step ran: its results are dropped
             request_id = request.request_id
-            sampled = all_sampled.get(request_id, [])
+            sampled = runner_output.sampled_token_ids.get(request_id, [])
             if sampled:
                 # KV stays valid for the known tokens and the accepted drafts: every new
                 # token but the last (whose KV the next step computes).
                 request.num_computed_tokens = request.num_tokens + len(sampled) - 1
-                if all_verified:
-                    self._count_drafts(all_verified.get(request_id, 0), len(sampled) - 1)
+                self._count_drafts(runner_output.num_verified_drafts.get(request_id, 0),
+                                   len(sampled) - 1)
                 if request.num_in_flight:
                     # The follow-up row in flight starts here and runs at most 1 + k tokens.
                     request.in_flight_end = min(
                         request.in_flight_end,
                         request.num_computed_tokens + 1 + self.num_speculative_tokens)
             # Before any stop check: finishing frees the blocks.
-            cache_full_blocks(request, request.num_computed_tokens)
-            new_prompt_logprobs = all_prompt_logprobs.get(request_id, []) if (
-                all_prompt_logprobs) else []
-            if new_prompt_logprobs:
-                request.prompt_logprobs.extend(new_prompt_logprobs)
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
+            request.prompt_logprobs.extend(new_prompt_logprobs)
             new_tokens, new_logprobs = self._append_tokens(
-                request, sampled, all_logprobs.get(request_id, []) if all_logprobs else [])
+                request, sampled, runner_output.logprobs.get(request_id, []))
             if sampled and not request.is_finished:
-                request.num_draft_tokens = all_drafts.get(request_id, 0) if all_drafts else 0
+                request.num_draft_tokens = runner_output.num_drafts.get(request_id, 0)
             if new_tokens or new_prompt_logprobs or request.is_finished:
                 updates.append(
                     RequestUpdate(

@@ -310,7 +310,7 @@ def _launch(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
     """One launch of the attention kernel (plus the combination of its splits).
     ``tuning`` overrides launch choices (block_n, num_warps, num_stages) for measurements
     of variants."""
-    # Chosen by timing variants on the H200 (scripts/attention_sweep.py, bf16, 8B shape):
+    # Chosen by timing variants on the H200 (scripts/kernel_sweep.py, bf16, 8B shape):
     # decode tiles 2-6% faster with 2 stages, prefill tiles 13% faster with 32-key tiles.
     defaults = ({"block_n": 64, "num_stages": 2} if block_m == 16
                 else {"block_n": 32, "num_stages": 3})
@@ -359,15 +359,15 @@ def _launch(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
 
 def block_table_array(block_tables: list[list[int]], width: int, num_rows: int | None = None,
                       pad_block: int = 0) -> np.ndarray:
-    """The rows' block tables as one int32 array of ``width`` columns (cut or padded with
-    block 0); rows past ``len(block_tables)`` up to ``num_rows`` hold only ``pad_block``.
-    Filled row by row from the lists (a nested list through torch.tensor costs far more
-    per element, and a step at a large batch holds tens of thousands of block ids)."""
-    table = np.zeros((num_rows or len(block_tables), width), dtype=np.int32)
+    """The rows' block tables as one int32 array of ``num_rows`` (default: as many as
+    given) rows of ``width`` columns, cut to the width; every entry no row fills (the
+    columns past a row's blocks, the rows past the given ones) is ``pad_block``. Filled row
+    by row from the lists (a nested list through torch.tensor costs far more per element,
+    and a step at a large batch holds tens of thousands of block ids)."""
+    table = np.full((num_rows or len(block_tables), width), pad_block, dtype=np.int32)
     for i, row in enumerate(block_tables):
         row = row[:width]
         table[i, : len(row)] = row
-    table[len(block_tables):] = pad_block
     return table
 
 

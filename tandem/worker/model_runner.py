@@ -372,22 +372,17 @@ class ModelRunner:
                                             len(inputs.token_ids) + num_drafts)
                 inputs.drafts.append(state.drafts[:num_drafts])
                 inputs.token_ids += [0] * num_drafts
+            inputs.positions += range(start, end)
             blocks = row.block_ids
-            if end - start == 1:  # a decode row: most rows of a large batch
-                inputs.positions.append(start)
-                inputs.slots.append(blocks[start // block_size] * block_size
-                                    + start % block_size)
-            else:
-                inputs.positions += range(start, end)
-                inputs.slots += [blocks[p // block_size] * block_size + p % block_size
-                                 for p in range(start, end)]
+            inputs.slots += [blocks[p // block_size] * block_size + p % block_size
+                             for p in range(start, end)]
             inputs.query_lens.append(end - start)
             inputs.seq_lens.append(end)
             inputs.block_tables.append(blocks)
             # Positions before num_prompt_logprobs were reported already (before a preemption).
             first = max(start, state.num_prompt_logprobs)
             prompt_end = min(end, state.num_prompt_tokens - 1)
-            if first < prompt_end and row.request.wants_prompt_logprobs:
+            if row.request.wants_prompt_logprobs and first < prompt_end:
                 indices = list(range(plan.offset + first - start, plan.offset + prompt_end - start))
                 targets = state.token_ids[first + 1 : prompt_end + 1]
                 inputs.prompt_rows.append((plan, indices, targets))

@@ -1,7 +1,7 @@
 """The engine's step log and its summary by step shape (what `bench throughput` reports)."""
 
 from tandem import SamplingParams
-from tandem.bench.steps import summarize_steps
+from tandem.bench.steps import recording_steps, summarize_steps
 from tandem.core.engine_core import StepRecord
 
 
@@ -32,16 +32,13 @@ def test_engine_logs_each_applied_step(make_llm):
     llm = make_llm(model="dummy:tiny", device="cpu", max_num_batched_tokens=16)
     engine = llm.engine
     steps_before = engine.metrics()["num_steps"]
-    engine.step_log = []
-    try:
+    with recording_steps(engine) as log:
         # 20 + 30 prompt tokens in chunks of at most 16 per step, then decode rows.
         llm.generate([{"prompt_token_ids": list(range(1, 21))},
                       {"prompt_token_ids": list(range(1, 31))}],
                      SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=5),
                      use_tqdm=False)
-        log = engine.step_log
-    finally:
-        engine.step_log = None
+    assert engine.step_log is None  # recording ends with the block
     assert len(log) == engine.metrics()["num_steps"] - steps_before
     assert all(r.num_tokens <= 16 for r in log)
     assert sum(r.num_prompt_rows > 0 for r in log) >= 4  # 50 prompt tokens, 16 a step

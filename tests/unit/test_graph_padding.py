@@ -8,13 +8,20 @@ interpreter on the CPU.
 import pytest
 import torch
 
-from tandem.layers.triton_attention import TritonAttentionBackend
+from tandem.layers.triton_attention import TritonAttentionBackend, block_table_array
 from tandem.models.loader import ModelFiles, load_model
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch, graph_batch_sizes
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8
 SCRATCH = NUM_BLOCKS  # the cache's extra block
+
+
+def test_block_table_array_cuts_and_pads_rows():
+    table = block_table_array([[5, 6, 7], [3], []], width=2, num_rows=4, pad_block=SCRATCH)
+    assert table.tolist() == [[5, 6], [3, SCRATCH], [SCRATCH, SCRATCH], [SCRATCH, SCRATCH]]
+    assert str(table.dtype) == "int32"
+    assert block_table_array([[1, 2], [4]], width=3).tolist() == [[1, 2, 0], [4, 0, 0]]
 
 
 def test_graph_batch_sizes():

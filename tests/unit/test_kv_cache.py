@@ -235,6 +235,30 @@ def test_only_computed_full_blocks_are_cached():
     assert bm.get_computed_blocks(make_request("b", range(12))) == (blocks[:1], 4)
 
 
+def test_blocks_filled_by_decoding_are_cached_as_they_fill_and_again_after_a_free():
+    """cache_full_blocks only looks at blocks that became full since its last call: blocks
+    filled one decode step at a time are still all cached, and a request freed (preempted)
+    and computed again registers from its first block once more."""
+    bm = BlockManager(32, BS)
+    a = make_request("a", range(6))
+    compute(bm, a)  # block 0 full, block 1 half
+    for token in range(100, 107):  # decode 7 tokens, one step each: blocks 1 and 2 fill
+        a.output_token_ids.append(token)
+        assert bm.allocate_slots(a, 1)
+        a.num_computed_tokens = a.num_tokens
+        bm.cache_full_blocks(a, a.num_computed_tokens)
+    blocks = bm.block_ids("a")
+    assert [bm.blocks[b].block_hash is not None for b in blocks] == [True, True, True, False]
+    tokens = a.all_token_ids()
+    assert bm.get_computed_blocks(make_request("b", tokens))[0] == blocks[:3]
+
+    bm.free(a)
+    bm.reset_prefix_cache()  # forget them, so only a fresh registration can cache them
+    a.num_computed_tokens = 0
+    compute(bm, a)
+    assert bm.get_computed_blocks(make_request("c", tokens))[0] == bm.block_ids("a")[:3]
+
+
 def test_chained_hash_depends_on_the_whole_prefix():
     x, y, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
     assert hash_block(ROOT_HASH, y) == hash_block(ROOT_HASH, list(y))

@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from tandem.layers.triton_attention import TritonAttentionMetadata
+from tandem.layers.triton_attention import TritonAttentionMetadata, block_table_array
 from tandem.transfer import copy_to
 from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch_sizes
 
@@ -86,10 +86,9 @@ class DraftGraphRunner:
         pad = size - len(last_positions)
         block_size = self.proposer.block_size
         width = -(-(max(last_positions + [0]) + self.num_depths + 1) // block_size)
-        table = [list(row[:width]) + [self.scratch_block] * (width - len(row[:width]))
-                 for row in block_tables] + [[self.scratch_block] * width] * pad
         copy_to(self.last_positions[:size], last_positions + [0] * pad)
-        copy_to(self.block_tables[:size, :width], table)
+        copy_to(self.block_tables[:size, :width],
+                block_table_array(block_tables, width, size, pad_block=self.scratch_block))
         if tokens is not None:
             self.tokens[: len(last_positions)].copy_(tokens)
             self.hidden[: len(last_positions)].copy_(hidden)
