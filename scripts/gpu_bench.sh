@@ -13,7 +13,8 @@
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
 #               transformers on the first HF_PROMPTS (default 64; 0: none) for reference and
 #               PROFILE_PROMPTS (default 200) profiled (HOST_PROFILE=1: all of them again
-#               under cProfile); THROUGHPUT_CONFIGS (default
+#               under cProfile; PROFILE_STEPS=FIRST:COUNT[,...]: windows of steps of a rerun
+#               under the CUDA profiler); THROUGHPUT_CONFIGS (default
 #               "1024:16384") lists max_num_seqs:max_num_batched_tokens pairs, one run each
 #   pd          PD_MODEL (default the 8B shape) as a prefill and a decode process on this
 #               GPU (KV over CUDA IPC) against one mixed process: decode inter-token latency
@@ -76,6 +77,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       status_all=0 extra="--hf-num-prompts ${HF_PROMPTS:-64} --profile-prompts ${PROFILE_PROMPTS:-200}"
       [ "${HF_PROMPTS:-64}" = 0 ] && extra="--skip-hf --profile-prompts ${PROFILE_PROMPTS:-200}"
       [ -n "${HOST_PROFILE:-}" ] && extra="$extra --host-profile"
+      [ -n "${PROFILE_STEPS:-}" ] && extra="$extra --profile-steps $PROFILE_STEPS"
       for config in ${THROUGHPUT_CONFIGS:-1024:16384}; do
         timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench throughput --device cuda --model dummy:llama3-8b \
           --dataset sharegpt --num-prompts "${NUM_PROMPTS:-1000}" --max-prompt-len 1024 \
@@ -83,7 +85,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
           --max-num-batched-tokens "${config#*:}" --kv-cache-memory-gb 80 $extra \
           --hf-batch-size 32 --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "it/s" \
           || status_all=$?
-        python3 -c "import json,glob; print(json.dumps(json.load(open(sorted(glob.glob('$out/throughput-*.json'))[-1]))['tandem_steps']))"
+        python3 -c "import json,glob; r=json.load(open(sorted(glob.glob('$out/throughput-*.json'))[-1])); print(json.dumps(r['tandem_steps'])); [print(json.dumps(w)) for w in r.get('tandem_step_profiles', [])]"
         extra="--skip-hf"
       done
       (exit $status_all) ;;

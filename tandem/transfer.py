@@ -39,6 +39,7 @@ class PendingRead:
 
     tensors: list[torch.Tensor]  # pinned host tensors on CUDA (filled once event is done)
     event: torch.cuda.Event | None = None
+    begun: torch.cuda.Event | None = None  # where the step's device work began (timing on)
 
 
 class DeviceReader:
@@ -46,21 +47,37 @@ class DeviceReader:
     copies right behind the step (pinned host buffers, non-blocking) and records an event;
     ``read`` waits for that event only, so the steps queued after it keep the device busy
     while the host reads. ``num_waits`` counts the waits (tests check one per step);
-    ``wait_seconds`` sums the time spent in them (the host idle, the device the bottleneck)."""
+    ``wait_seconds`` sums the time spent in them (the host idle, the device the bottleneck).
+    With ``time_steps`` set on CUDA, ``device_seconds`` sums each read step's device time:
+    from the event ``begin`` recorded as its launch began to the event after its copies
+    (kernels plus any gap in which the device waited for the host within the step)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.num_waits = 0
         self.wait_seconds = 0.0
+        self.time_steps = False
+        self.device_seconds = 0.0
 
-    def start(self, tensors: list[torch.Tensor]) -> PendingRead:
-        """Queue the copies of ``tensors`` to the host (no wait)."""
+    def begin(self) -> torch.cuda.Event | None:
+        """With ``time_steps`` on CUDA: an event marking where a step's device work begins
+        (pass it to ``start``); else None."""
+        if not (self.time_steps and self.device.type == "cuda"):
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def start(self, tensors: list[torch.Tensor],
+              begun: torch.cuda.Event | None = None) -> PendingRead:
+        """Queue the copies of ``tensors`` to the host (no wait); ``begun`` (from
+        ``begin``) times the step."""
         if self.device.type != "cuda":
             return PendingRead(list(tensors))
         host = [t.to("cpu", non_blocking=True) for t in tensors]
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=begun is not None)
         event.record(torch.cuda.current_stream(self.device))
-        return PendingRead(host, event)
+        return PendingRead(host, event, begun)
 
     def read(self, pending: PendingRead) -> list[list]:
         """Host lists of a started read, after a single wait for its event."""
@@ -76,6 +93,8 @@ class DeviceReader:
             finally:
                 self.wait_seconds += time.perf_counter() - start
                 torch.cuda.set_sync_debug_mode(debug_mode)
+            if pending.begun is not None:
+                self.device_seconds += pending.begun.elapsed_time(pending.event) / 1e3
         return [t.tolist() for t in pending.tensors]
 
 

@@ -17,12 +17,16 @@ _ROW_BUCKETS = (8, 32, 64, 128, 256, 512, 1024)
 
 @contextmanager
 def recording_steps(engine: EngineCore) -> Iterator[list[StepRecord]]:
-    """The engine logs every applied step into the yielded list while the block runs."""
+    """The engine logs every applied step into the yielded list while the block runs (on
+    CUDA with each step's device time, from events around it)."""
     engine.step_log = []
+    reader = engine.runner.reader
+    reader.time_steps = True
     try:
         yield engine.step_log
     finally:
         engine.step_log = None
+        reader.time_steps = False
 
 
 def summarize_steps(records: list[StepRecord]) -> dict:
@@ -32,7 +36,9 @@ def summarize_steps(records: list[StepRecord]) -> dict:
     scheduling, when the device is the bottleneck, that is the step's device time); the
     first step has no interval and only counts. ``host_wait_s``: the part of those
     intervals the host spent waiting for device results (near zero where the host's own
-    work, not the device, set the pace)."""
+    work, not the device, set the pace). ``device_s``: the steps' own device time (CUDA;
+    0 elsewhere), from the start of each step's launch to its results' copies; where it
+    falls short of the interval, the device idled between steps."""
     intervals = [(later, later.time_s - earlier.time_s)
                  for earlier, later in pairwise(records)]
     mixed = [(r, dt) for r, dt in intervals if r.num_prompt_rows]
@@ -49,6 +55,7 @@ def summarize_steps(records: list[StepRecord]) -> dict:
                 "time_s": sum(dt for _, dt in chosen),
                 "mean_step_ms": 1e3 * sum(dt for _, dt in chosen) / len(chosen),
                 "host_wait_s": sum(r.wait_s for r, _ in chosen),
+                "device_s": sum(r.device_s for r, _ in chosen),
             })
         if high is not None:
             low = high + 1
@@ -59,10 +66,67 @@ def summarize_steps(records: list[StepRecord]) -> dict:
         "steps_with_prefill": len(mixed),
         "time_in_steps_with_prefill_s": sum(dt for _, dt in mixed),
         "host_wait_in_steps_with_prefill_s": sum(r.wait_s for r, _ in mixed),
+        "device_in_steps_with_prefill_s": sum(r.device_s for r, _ in mixed),
         "mean_tokens_in_steps_with_prefill": (
             sum(r.num_tokens for r, _ in mixed) / len(mixed) if mixed else 0.0),
         "decode_only_steps": len(decode),
         "time_in_decode_only_steps_s": sum(dt for _, dt in decode),
         "mean_rows_in_decode_only_steps": decode_rows / len(decode) if decode else 0.0,
         "decode_only_steps_by_rows": buckets,
+    }
+
+
+def profile_step_window(llm, prompts: list, params: list, first: int, count: int,
+                        top: int = 25) -> dict:
+    """Where the device time of a run's steps ``first`` to ``first + count - 1`` goes.
+
+    The requests run from the start as ``llm.generate`` would; after ``first`` steps the
+    device is drained and ``count`` steps run under the CUDA profiler (the only steps whose
+    device work it sees), then the remaining requests are aborted. Returns the window's
+    GPU busy share, the device ops per step ranked by time (``top``), and the shapes of the
+    steps applied in the window."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tandem.bench.decode import busy_fraction, device_intervals, kernel_totals
+    from tandem.bench.timing import sync_device
+
+    if first < 0 or count < 1:
+        raise ValueError(f"need first >= 0 and count >= 1, got {first} and {count}")
+    engine = llm.engine
+    device = engine.config.device
+    request_ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    # Elsewhere than CUDA the profiler sees host ops only, none of them device work.
+    cuda = str(device).startswith("cuda")
+    profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    try:
+        with recording_steps(engine) as log:
+            for _ in range(first):
+                llm.step(finished_only=True)
+            sync_device(device)
+            begin = len(log)
+            profiler.start()
+            for _ in range(count):
+                llm.step(finished_only=True)
+            sync_device(device)
+            profiler.stop()
+            window = log[begin:]
+    finally:
+        for request_id in request_ids:
+            llm.abort_request(request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+    intervals, _ = device_intervals(profiler)
+    span = (min(s for s, _ in intervals), max(e for _, e in intervals)) if intervals else (0, 0)
+    ops = kernel_totals(profiler, top)
+    return {
+        "first_step": first,
+        "num_steps": count,
+        "mean_rows": sum(r.num_rows for r in window) / max(len(window), 1),
+        "prompt_rows": sum(r.num_prompt_rows for r in window),
+        "window_ms_per_step": (span[1] - span[0]) / 1e3 / count,
+        "gpu_busy_fraction": busy_fraction(intervals, span) if intervals else 0.0,
+        "device_ops_per_step": len(intervals) / count,
+        "device_op_ms_per_step": sum(e - s for s, e in intervals) / 1e3 / count,
+        "top_ms_per_step": [{"name": op["name"], "calls_per_step": op["count"] / count,
+                             "ms_per_step": op["total_us"] / 1e3 / count} for op in ops],
     }

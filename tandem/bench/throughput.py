@@ -122,6 +122,28 @@ def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
             "device_ops": profiled["device_ops"], "top_device_ops": profiled["top"]}
 
 
+def _profile_tandem_steps(llm: Any, reqs: list[BenchRequest],
+                          windows: list[tuple[int, int]]) -> list[dict]:
+    """For each (first, count) window, the requests rerun to step ``first`` and ``count``
+    steps from there under the CUDA profiler (device time per step by kernel)."""
+    from tandem.bench.steps import profile_step_window
+
+    prompts, params = _engine_inputs(reqs)
+    return [profile_step_window(llm, prompts, params, first, count)
+            for first, count in windows]
+
+
+def parse_step_windows(text: str) -> list[tuple[int, int]]:
+    """``"60:10,400:10"`` -> [(60, 10), (400, 10)] (first step : number of steps)."""
+    windows = []
+    for part in filter(None, text.split(",")):
+        first, sep, count = part.partition(":")
+        if not sep or not first.strip().isdigit() or not count.strip().isdigit():
+            raise ValueError(f"a step window is FIRST:COUNT, got {part!r}")
+        windows.append((int(first), int(count)))
+    return windows
+
+
 def _host_profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
     """``reqs`` once more under cProfile: the host's hot functions, and the steps by shape
     of that (slowed) run."""
@@ -214,13 +236,16 @@ def run_throughput(
     hf_num_prompts: int | None = None,
     profile_prompts: int = 0,
     host_profile: bool = False,
+    profile_steps: list[tuple[int, int]] | None = None,
 ) -> dict:
     """Measure Tandem's (and unless ``skip_hf`` transformers') offline throughput.
 
     ``hf_num_prompts`` runs transformers on the first that many requests only (a slow
     reference on a big model); its rates are per second all the same. ``profile_prompts``
     (CUDA) runs that many of the requests once more under the profiler (``tandem_profile``);
-    ``host_profile`` runs all of them once more under cProfile (``tandem_host_profile``).
+    ``host_profile`` runs all of them once more under cProfile (``tandem_host_profile``);
+    ``profile_steps`` (CUDA) lists (first, count) windows of steps of a rerun to profile
+    (``tandem_step_profiles``).
     Writes the result to ``out_dir/throughput-<dataset>-<device>[-tpN]-<timestamp>.json`` (no
     file without ``out_dir``), prints a markdown table and returns the result dict
     (``output_path`` says where it went).
@@ -252,6 +277,8 @@ def run_throughput(
     profiled = (_profile_tandem(llm, reqs[:profile_prompts])
                 if profile_prompts and device.startswith("cuda") else None)
     host_profiled = _host_profile_tandem(llm, reqs) if host_profile else None
+    step_profiles = (_profile_tandem_steps(llm, reqs, profile_steps)
+                     if profile_steps and device.startswith("cuda") else None)
     threads = torch.get_num_threads()  # after Tandem ran, in case it set its own
     del llm
     gc.collect()
@@ -288,6 +315,8 @@ def run_throughput(
         result["tandem_profile"] = profiled
     if host_profiled is not None:
         result["tandem_host_profile"] = host_profiled
+    if step_profiles is not None:
+        result["tandem_step_profiles"] = step_profiles
     safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device.split(":")[0])
     tp = llm_kwargs.get("tensor_parallel_size", 1)
     path = (result_path(out_dir, f"throughput-{dataset}-{safe_device}"
@@ -350,6 +379,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         "busy share, top device ops)")
     parser.add_argument("--host-profile", action="store_true",
                         help="run the requests again under cProfile (the host's hot functions)")
+    parser.add_argument("--profile-steps", type=parse_step_windows, default=None,
+                        metavar="FIRST:COUNT[,...]",
+                        help="CUDA: rerun the requests and profile COUNT steps from step FIRST "
+                        "(device time per step by kernel), once per window")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N ranks, one process each, started by torchrun (with --skip-hf)")
     parser.add_argument("--hf-num-prompts", type=int, default=None,
@@ -395,5 +428,6 @@ def main_from_args(args: argparse.Namespace) -> int:
         hf_num_prompts=args.hf_num_prompts,
         profile_prompts=args.profile_prompts,
         host_profile=args.host_profile,
+        profile_steps=args.profile_steps,
     )
     return 0

@@ -42,6 +42,7 @@ class StepRecord:
     num_prompt_rows: int  # rows computing prompt tokens (prefill chunks)
     num_tokens: int  # tokens scheduled (with overlap, follow-up rows count their room)
     wait_s: float  # the host's wait for device results since the previous record
+    device_s: float = 0.0  # the device time of the steps read since the previous record
 
 
 class EngineCore:
@@ -96,6 +97,7 @@ class EngineCore:
         # Opt-in (benchmarks set a list): one StepRecord per applied step.
         self.step_log: list[StepRecord] | None = None
         self._logged_wait = 0.0
+        self._logged_device = 0.0
         if self.runner.device.type == "cuda":
             # A large batch's step loop is host-bound, and the collector's full passes over
             # every object the engine built (model, graphs, tokenizer: hundreds of
@@ -251,12 +253,14 @@ class EngineCore:
 
     def _apply(self, step: SchedulerOutput, results: ModelRunnerOutput) -> list[RequestUpdate]:
         if self.step_log is not None:
-            waited = self.runner.reader.wait_seconds
+            reader = self.runner.reader
+            waited, busy = reader.wait_seconds, reader.device_seconds
             self.step_log.append(StepRecord(
                 time.perf_counter(), len(step.scheduled),
                 sum(s.start < s.request.num_prompt_tokens for s in step.scheduled),
-                step.num_batched_tokens, waited - self._logged_wait))
-            self._logged_wait = waited
+                step.num_batched_tokens, waited - self._logged_wait,
+                busy - self._logged_device))
+            self._logged_wait, self._logged_device = waited, busy
         updates = self.scheduler.update_from_output(step, results)
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] = self.scheduler.num_preemptions

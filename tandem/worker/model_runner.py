@@ -425,6 +425,7 @@ class ModelRunner:
             self.states.pop(request_id, None)
         if step.is_empty:
             return None
+        begun = self.reader.begin()
         inputs = self._prepare(step)
         hidden, input_ids = self._forward(inputs)
         sampling_plans = [plan for plan in inputs.plans if plan.samples]
@@ -457,7 +458,7 @@ class ModelRunner:
                 prompt_logprobs = self._prompt_logprobs(inputs, logits[num_sampling:])
                 reads += prompt_logprobs.tensors()
         launched = LaunchedStep(inputs, sampling_plans, sampling_rows, sample, prompt_logprobs,
-                                self.reader.start(reads) if reads else None, hidden,
+                                self.reader.start(reads, begun) if reads else None, hidden,
                                 ModelRunnerOutput(), self.proposer is None)
         if launched.advanced:
             self._advance(launched)

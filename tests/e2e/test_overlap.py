@@ -266,21 +266,26 @@ def test_no_hidden_synchronization_on_cuda():
                              logprobs=2) for i in range(16)]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: allocations, pinning
     runner = llm.engine.runner
-    execute = runner.execute
+    calls = []
 
-    def strict_execute(step):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return execute(step)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def strict(method):
+        def run(step):
+            calls.append(method.__name__)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(step)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
 
-    runner.execute = strict_execute
+    # With overlap the engine calls step_ahead (execute only without it): check both.
+    runner.execute, runner.step_ahead = strict(runner.execute), strict(runner.step_ahead)
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del runner.execute
+        del runner.execute, runner.step_ahead
         llm.engine.shutdown()
+    assert calls.count("step_ahead") > 16  # the strict mode was on for the steps
 
 
 @pytest.mark.gpu
