@@ -38,7 +38,9 @@ def summarize_steps(records: list[StepRecord]) -> dict:
     intervals the host spent waiting for device results (near zero where the host's own
     work, not the device, set the pace). ``device_s``: the steps' own device time (CUDA;
     0 elsewhere), from the start of each step's launch to its results' copies; where it
-    falls short of the interval, the device idled between steps."""
+    falls short of the interval, the device idled between steps. ``schedule_s`` and
+    ``launch_s``: the host's time scheduling and launching steps (the rest of an interval
+    is applying results and the caller's own work). ``series``: every interval's numbers."""
     intervals = [(later, later.time_s - earlier.time_s)
                  for earlier, later in pairwise(records)]
     mixed = [(r, dt) for r, dt in intervals if r.num_prompt_rows]
@@ -56,6 +58,8 @@ def summarize_steps(records: list[StepRecord]) -> dict:
                 "mean_step_ms": 1e3 * sum(dt for _, dt in chosen) / len(chosen),
                 "host_wait_s": sum(r.wait_s for r, _ in chosen),
                 "device_s": sum(r.device_s for r, _ in chosen),
+                "schedule_s": sum(r.schedule_s for r, _ in chosen),
+                "launch_s": sum(r.launch_s for r, _ in chosen),
             })
         if high is not None:
             low = high + 1
@@ -73,6 +77,12 @@ def summarize_steps(records: list[StepRecord]) -> dict:
         "time_in_decode_only_steps_s": sum(dt for _, dt in decode),
         "mean_rows_in_decode_only_steps": decode_rows / len(decode) if decode else 0.0,
         "decode_only_steps_by_rows": buckets,
+        # Every step after the first: rows, prompt rows, then milliseconds of the interval,
+        # of the host's scheduling, launching and waiting in it, and of the device's step.
+        "series_fields": ["rows", "prompt_rows", "interval_ms", "schedule_ms", "launch_ms",
+                          "wait_ms", "device_ms"],
+        "series": [[r.num_rows, r.num_prompt_rows, *(round(1e3 * x, 3) for x in (
+            dt, r.schedule_s, r.launch_s, r.wait_s, r.device_s))] for r, dt in intervals],
     }
 
 

@@ -43,6 +43,8 @@ class StepRecord:
     num_tokens: int  # tokens scheduled (with overlap, follow-up rows count their room)
     wait_s: float  # the host's wait for device results since the previous record
     device_s: float = 0.0  # the device time of the steps read since the previous record
+    schedule_s: float = 0.0  # the host's time in the scheduler's schedule() since then
+    launch_s: float = 0.0  # the host's time preparing and queueing steps since then
 
 
 class EngineCore:
@@ -96,8 +98,8 @@ class EngineCore:
         }
         # Opt-in (benchmarks set a list): one StepRecord per applied step.
         self.step_log: list[StepRecord] | None = None
-        self._logged_wait = 0.0
-        self._logged_device = 0.0
+        self._schedule_seconds = 0.0
+        self._logged_clocks = self._clocks()
         if self.runner.device.type == "cuda":
             # A large batch's step loop is host-bound, and the collector's full passes over
             # every object the engine built (model, graphs, tokenizer: hundreds of
@@ -233,8 +235,17 @@ class EngineCore:
             self.runner.drop_requests(self.scheduler.take_finished_ids())
         return updates
 
+    def _clocks(self) -> tuple[float, float, float, float]:
+        """Cumulative seconds: waiting for the device, the device's own step time (when
+        timed), scheduling, launching."""
+        reader = self.runner.reader
+        return (reader.wait_seconds, reader.device_seconds, self._schedule_seconds,
+                self.runner.launch_seconds)
+
     def _step(self) -> list[RequestUpdate]:
+        started = time.perf_counter()
         step = self.scheduler.schedule()
+        self._schedule_seconds += time.perf_counter() - started
         if not self._overlap:
             if step.is_empty:
                 if step.finished_request_ids:
@@ -253,14 +264,14 @@ class EngineCore:
 
     def _apply(self, step: SchedulerOutput, results: ModelRunnerOutput) -> list[RequestUpdate]:
         if self.step_log is not None:
-            reader = self.runner.reader
-            waited, busy = reader.wait_seconds, reader.device_seconds
+            clocks = self._clocks()
+            wait, device, schedule, launch = (
+                now - then for now, then in zip(clocks, self._logged_clocks))
+            self._logged_clocks = clocks
             self.step_log.append(StepRecord(
                 time.perf_counter(), len(step.scheduled),
                 sum(s.start < s.request.num_prompt_tokens for s in step.scheduled),
-                step.num_batched_tokens, waited - self._logged_wait,
-                busy - self._logged_device))
-            self._logged_wait, self._logged_device = waited, busy
+                step.num_batched_tokens, wait, device, schedule, launch))
         updates = self.scheduler.update_from_output(step, results)
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] = self.scheduler.num_preemptions

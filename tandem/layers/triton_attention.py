@@ -92,7 +92,9 @@ if triton is not None:
                 hi = mid
         return lo - 1
 
-    @triton.jit
+    # The batch size and the block table's width change from step to step: left
+    # unspecialized, so a new value never compiles a new variant in the middle of a run.
+    @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,

@@ -7,6 +7,7 @@ sampling generators. It never changes a request's lifecycle; the scheduler does.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
         self.reader = DeviceReader(self.device)
+        self.launch_seconds = 0.0  # the host's time in launch (preparing, queueing steps)
         self.mtp_head = None
         if use_mtp:
             mtp_head = load_mtp_head(mtp_source, files, self.model.rotary, config.seed)
@@ -221,6 +223,8 @@ class ModelRunner:
                     self.proposer, k, max_model_len, self.config.scheduler.max_num_seqs,
                     num_blocks)
                 self.proposer.graphs.capture()
+        if self.device.type == "cuda":
+            self._warm_up_eager_steps(scratch_block=num_blocks)
 
     def release(self) -> None:
         """Drop the KV cache and the CUDA graphs and return their memory to the device."""
@@ -263,6 +267,24 @@ class ModelRunner:
         del caches, hidden
         torch.cuda.empty_cache()
         return peak
+
+    @torch.inference_mode()
+    def _warm_up_eager_steps(self, scratch_block: int) -> None:
+        """Run a prefill alone and a prefill beside a decode row (their keys and values
+        written to the scratch block only), so that the kernels of such eager steps are
+        compiled now rather than in the first step that serves them."""
+        block_size = self.block_size
+        for query_lens in ([2 * block_size], [1, 2 * block_size]):
+            positions = [p for length in query_lens for p in range(length)]
+            slots = to_device([scratch_block * block_size + p % block_size for p in positions],
+                              torch.long, self.device)
+            tables = [[scratch_block] * -(-length // block_size) for length in query_lens]
+            metadata = self.backend.build_metadata(query_lens, query_lens, tables, slots,
+                                                   block_size, self.device)
+            hidden = self.model(self._input_ids[:len(positions)],
+                                to_device(positions, torch.long, self.device),
+                                self.kv_caches, metadata, self.backend)
+            self.model.compute_logits(hidden[-1:])
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -392,7 +414,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and read its results (no overlap)."""
-        launched = self.launch(step)
+        launched = self._timed_launch(step)
         return self.finish(launched) if launched is not None else ModelRunnerOutput()
 
     @on_runner_device
@@ -407,7 +429,7 @@ class ModelRunner:
         output = None
         if previous is not None and (self.proposer is not None or step.is_empty):
             output, previous = self.finish(previous), None
-        self._launched = self.launch(step)
+        self._launched = self._timed_launch(step)
         if previous is not None:
             output = self.finish(previous)
         return output
@@ -418,6 +440,13 @@ class ModelRunner:
         """Read the step launched last, if any (the end of an overlapped run)."""
         previous, self._launched = self._launched, None
         return self.finish(previous) if previous is not None else None
+
+    def _timed_launch(self, step: SchedulerOutput) -> LaunchedStep | None:
+        started = time.perf_counter()
+        try:
+            return self.launch(step)
+        finally:
+            self.launch_seconds += time.perf_counter() - started
 
     def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step's device work (forward, sampling, logprobs) without waiting."""

@@ -26,11 +26,14 @@ def test_summary_splits_time_by_step_shape():
     assert summary["decode_only_steps"] == 2
     assert summary["time_in_decode_only_steps_s"] == 0.75
     assert summary["mean_rows_in_decode_only_steps"] == 21.5
+    assert summary["series"] == [[3, 1, 1000.0, 0.0, 0.0, 500.0, 750.0],
+                                 [3, 0, 500.0, 0.0, 0.0, 250.0, 500.0],
+                                 [40, 0, 250.0, 0.0, 0.0, 0.0, 125.0]]
     assert summary["decode_only_steps_by_rows"] == [
         {"rows": "1-8", "steps": 1, "time_s": 0.5, "mean_step_ms": 500.0, "host_wait_s": 0.25,
-         "device_s": 0.5},
+         "device_s": 0.5, "schedule_s": 0.0, "launch_s": 0.0},
         {"rows": "33-64", "steps": 1, "time_s": 0.25, "mean_step_ms": 250.0,
-         "host_wait_s": 0.0, "device_s": 0.125},
+         "host_wait_s": 0.0, "device_s": 0.125, "schedule_s": 0.0, "launch_s": 0.0},
     ]
 
 
@@ -53,6 +56,9 @@ def test_engine_logs_each_applied_step(make_llm):
     assert [r.time_s for r in log] == sorted(r.time_s for r in log)
     assert all(r.wait_s == 0.0 and r.device_s == 0.0 for r in log)  # no device to wait for
     assert not engine.runner.reader.time_steps  # step timing ends with the block too
+    # The host's scheduling and launching are timed, and fit in the steps' intervals.
+    assert all(r.schedule_s > 0 and r.launch_s > 0 for r in log[1:])
+    assert sum(r.schedule_s + r.launch_s for r in log[1:]) < log[-1].time_s - log[0].time_s
     summary = summarize_steps(log)
     assert summary["steps_with_prefill"] + summary["decode_only_steps"] == len(log) - 1
 

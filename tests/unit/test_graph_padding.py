@@ -87,3 +87,18 @@ def test_mixed_query_lengths_run_eagerly():
     assert runner.padded_size([1, 4]) is None  # not uniform
     assert runner.padded_size([2, 2]) is None  # no graph for q = 2
     assert runner.padded_size([1] * 17) is None  # more rows than max_num_seqs
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_start_up_warm_up_writes_only_the_scratch_block(make_llm, backend):
+    """The eager steps run at start-up on CUDA to compile their kernels (a prefill alone, a
+    prefill beside a decode row) touch no block a request could own."""
+    llm = make_llm(model="dummy:tiny", device="cpu", attention_backend=backend,
+                   num_kv_blocks=16)
+    runner = llm.engine.runner
+    scratch = llm.engine.num_blocks
+    before = [cache.clone() for cache in runner.kv_caches]
+    runner._warm_up_eager_steps(scratch_block=scratch)
+    for old, new in zip(before, runner.kv_caches, strict=True):
+        assert torch.equal(old[:, :scratch], new[:, :scratch])
+        assert not torch.equal(old[:, scratch], new[:, scratch])  # it did write there
