@@ -98,6 +98,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_model_path(tokenizer_path)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.engine.freeze_heap()  # the tokenizer too, built after the engine froze its own
 
     # ---- requests ------------------------------------------------------------------------
 

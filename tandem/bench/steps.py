@@ -5,6 +5,8 @@ few long requests ran)."""
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import pairwise
@@ -27,6 +29,30 @@ def recording_steps(engine: EngineCore) -> Iterator[list[StepRecord]]:
     finally:
         engine.step_log = None
         reader.time_steps = False
+
+
+@contextmanager
+def timing_full_collections() -> Iterator[list[float]]:
+    """The seconds of each full (oldest-generation) garbage collection while the block runs,
+    appended to the yielded list: pauses of the whole step loop, invisible in profiles of
+    the device."""
+    durations: list[float] = []
+    started = 0.0
+
+    def callback(phase: str, info: dict) -> None:
+        nonlocal started
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started = time.perf_counter()
+        else:
+            durations.append(time.perf_counter() - started)
+
+    gc.callbacks.append(callback)
+    try:
+        yield durations
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def summarize_steps(records: list[StepRecord]) -> dict:

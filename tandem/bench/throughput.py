@@ -94,17 +94,19 @@ def _run_tandem(
     """Generate every request with Tandem; returns (seconds, generated output tokens, the
     run's steps summarized by shape)."""
     from tandem import SamplingParams
-    from tandem.bench.steps import recording_steps, summarize_steps
+    from tandem.bench.steps import recording_steps, summarize_steps, timing_full_collections
 
     prompts, params = _engine_inputs(reqs)
     warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=_WARMUP_TOKENS)
     llm.generate([{"prompt_token_ids": warmup_ids}], [warmup], use_tqdm=False)
     engine = llm.engine
     graph_steps = engine.metrics()["num_cuda_graph_steps"]
-    with recording_steps(engine) as log:
+    with recording_steps(engine) as log, timing_full_collections() as collections:
         elapsed, generated = timed_generate(llm, prompts, params, use_tqdm=True)
     steps = summarize_steps(log)
     steps["cuda_graph_steps"] = engine.metrics()["num_cuda_graph_steps"] - graph_steps
+    steps["gc_full_collections"] = len(collections)
+    steps["gc_full_collection_s"] = sum(collections)
     return elapsed, generated, steps
 
 

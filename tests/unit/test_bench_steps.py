@@ -117,3 +117,16 @@ def test_step_window_profile_runs_its_steps_and_leaves_the_engine_idle(make_llm)
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == free
     assert engine.metrics()["num_steps"] - steps_before <= 10
+
+
+def test_full_collections_are_timed_while_the_block_runs():
+    import gc
+
+    from tandem.bench.steps import timing_full_collections
+
+    with timing_full_collections() as durations:
+        gc.collect(1)  # a younger generation only: not counted
+        gc.collect()
+        gc.collect()
+    gc.collect()  # after the block: not counted
+    assert len(durations) == 2 and all(d >= 0 for d in durations)
