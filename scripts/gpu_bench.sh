@@ -85,7 +85,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
           --max-num-batched-tokens "${config#*:}" --kv-cache-memory-gb 80 $extra \
           --hf-batch-size 32 --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "it/s" \
           || status_all=$?
-        python3 -c "import json,glob; r=json.load(open(sorted(glob.glob('$out/throughput-*.json'))[-1])); print(json.dumps(r['tandem_steps'])); [print(json.dumps(w)) for w in r.get('tandem_step_profiles', [])]"
+        python3 -c "import json,glob; r=json.load(open(sorted(glob.glob('$out/throughput-*.json'))[-1])); print(json.dumps({k: v for k, v in r['tandem_steps'].items() if k != 'series'})); [print(json.dumps(w)) for w in r.get('tandem_step_profiles', [])]"
         extra="--skip-hf"
       done
       (exit $status_all) ;;
