@@ -107,7 +107,7 @@ class EngineCore:
 
         A full collection walks every tracked object not frozen, and one comes every few
         dozen steps of a large batch: over what start-up builds (the model, the graphs,
-        the tokenizer and the modules it imports: 100k+ objects) each took 140-200 ms on
+        the tokenizer and the modules it imports: 100k+ objects) each took 140-230 ms on
         the H200's host, 21 of them in one ShareGPT run. Frozen, they are skipped;
         ``shutdown()`` thaws them. Whoever builds more for the long run after this engine
         (``LLM`` its tokenizer) calls it again. Only on CUDA: CPU engines (tests) come and
