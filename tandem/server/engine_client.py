@@ -8,6 +8,7 @@ sent back to the core, which finishes the request and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -35,6 +36,9 @@ from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 
 STARTUP_TIMEOUT_S = 600
+# How long a send to the engine core may wait before the client checks that it still runs
+# (a PUSH socket whose peer has exited waits forever).
+SEND_CHECK_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -131,7 +135,8 @@ class AsyncEngineClient:
 
     async def shutdown(self) -> None:
         if any(process.is_alive() for process in self._processes):
-            await self._to_core.send(pack(["shutdown"]))  # the leader forwards it
+            with contextlib.suppress(EngineDeadError):
+                await self._send(["shutdown"])  # the leader forwards it
             for process in self._processes:
                 await asyncio.to_thread(process.join, 10)
             self._kill_processes()
@@ -141,7 +146,26 @@ class AsyncEngineClient:
         self._from_core.close(linger=0)
         self._context.term()
 
+    async def _send(self, message: list) -> None:
+        """Send ``message`` to the leader core. Raises EngineDeadError, rather than waiting
+        forever, when the send cannot complete and a core process has exited."""
+        data = pack(message)
+        while True:
+            try:
+                await asyncio.wait_for(self._to_core.send(data), SEND_CHECK_S)
+                return
+            except TimeoutError:
+                exited = self._exited()
+                if exited is not None:
+                    raise EngineDeadError(f"{exited} exited") from None
+
     async def _read_results(self) -> None:
+        try:
+            await self._read_loop()
+        except EngineDeadError as e:  # a send found the core gone
+            self._fail_all(str(e))
+
+    async def _read_loop(self) -> None:
         while True:
             if not await self._from_core.poll(1000):
                 exited = self._exited()
@@ -163,7 +187,7 @@ class AsyncEngineClient:
                         queue.put_nowait(RequestFailed(update.error))
                 outputs, stopped = self.processor.process(updates, delta=True)
                 for request_id, stop_string in stopped:
-                    await self._to_core.send(pack(["finish", request_id, stop_string]))
+                    await self._send(["finish", request_id, stop_string])
                 for output in outputs:
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
@@ -212,10 +236,8 @@ class AsyncEngineClient:
         self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False
         try:
-            await self._to_core.send(
-                pack(["add", request_id, prompt_token_ids, params_to_dict(params),
-                      remote_prefill])
-            )
+            await self._send(["add", request_id, prompt_token_ids, params_to_dict(params),
+                              remote_prefill])
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -227,7 +249,8 @@ class AsyncEngineClient:
             if not finished:
                 self.processor.abort(request_id)
                 if not self.dead:
-                    await self._to_core.send(pack(["abort", [request_id]]))
+                    with contextlib.suppress(EngineDeadError):  # nothing left to abort
+                        await self._send(["abort", [request_id]])
 
     @property
     def num_active_requests(self) -> int:
