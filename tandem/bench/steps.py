@@ -21,14 +21,11 @@ _ROW_BUCKETS = (8, 32, 64, 128, 256, 512, 1024)
 def recording_steps(engine: EngineCore) -> Iterator[list[StepRecord]]:
     """The engine logs every applied step into the yielded list while the block runs (on
     CUDA with each step's device time, from events around it)."""
-    engine.step_log = []
-    reader = engine.runner.reader
-    reader.time_steps = True
+    log = engine.start_step_log()
     try:
-        yield engine.step_log
+        yield log
     finally:
-        engine.step_log = None
-        reader.time_steps = False
+        engine.stop_step_log()
 
 
 @contextmanager

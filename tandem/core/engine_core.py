@@ -96,11 +96,25 @@ class EngineCore:
             "num_steps": 0,
             "num_preemptions": 0,
         }
-        # Opt-in (benchmarks set a list): one StepRecord per applied step.
+        # Opt-in (start_step_log): one StepRecord per applied step.
         self.step_log: list[StepRecord] | None = None
         self._schedule_seconds = 0.0
         self._logged_clocks = self._clocks()
         self.freeze_heap()
+
+    def start_step_log(self) -> list[StepRecord]:
+        """Log every step applied from now on (on CUDA with each step's device time) into
+        the returned list, until ``stop_step_log``; the first record counts only the host's
+        and the device's time since this call."""
+        self.runner.reader.time_steps = True
+        self._logged_clocks = self._clocks()
+        self.step_log = []
+        return self.step_log
+
+    def stop_step_log(self) -> None:
+        """End the step log (and the timing of steps on the device)."""
+        self.step_log = None
+        self.runner.reader.time_steps = False
 
     def freeze_heap(self) -> None:
         """On CUDA: move every object alive now out of the garbage collector's reach.

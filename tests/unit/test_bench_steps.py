@@ -40,7 +40,11 @@ def test_summary_splits_time_by_step_shape():
 def test_engine_logs_each_applied_step(make_llm):
     llm = make_llm(model="dummy:tiny", device="cpu", max_num_batched_tokens=16)
     engine = llm.engine
+    # Work before the log starts: none of its time may land in the first record.
+    llm.generate([{"prompt_token_ids": list(range(100, 140))}],
+                 SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20), use_tqdm=False)
     steps_before = engine.metrics()["num_steps"]
+    launch_before, schedule_before = engine.runner.launch_seconds, engine._schedule_seconds
     with recording_steps(engine) as log:
         # 20 + 30 prompt tokens in chunks of at most 16 per step, then decode rows.
         llm.generate([{"prompt_token_ids": list(range(1, 21))},
@@ -59,6 +63,9 @@ def test_engine_logs_each_applied_step(make_llm):
     # The host's scheduling and launching are timed, and fit in the steps' intervals.
     assert all(r.schedule_s > 0 and r.launch_s > 0 for r in log[1:])
     assert sum(r.schedule_s + r.launch_s for r in log[1:]) < log[-1].time_s - log[0].time_s
+    # Every record, the first included, counts only time spent inside the block.
+    assert sum(r.launch_s for r in log) <= engine.runner.launch_seconds - launch_before + 1e-9
+    assert sum(r.schedule_s for r in log) <= engine._schedule_seconds - schedule_before + 1e-9
     summary = summarize_steps(log)
     assert summary["steps_with_prefill"] + summary["decode_only_steps"] == len(log) - 1
 
