@@ -25,8 +25,10 @@ stage = sys.argv[5] if len(sys.argv) > 5 else "all"
 smoke = os.environ.get("SMOKE") == "1"
 device, dtype_name = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
 head_dir = os.path.join(out_dir, "head")
-report: dict = {"device": "cpu" if smoke else torch.cuda.get_device_name(),
-                "torch": torch.__version__}
+report: dict = {
+    "device": "cpu" if smoke else torch.cuda.get_device_name(),
+    "torch": torch.__version__,
+}
 started = time.perf_counter()
 
 
@@ -39,18 +41,28 @@ if stage in ("all", "gen", "train"):
     data = torch.load(data_path)
     if smoke:
         data = {"sequences": data["sequences"][:40], "self_prompts": data["self_prompts"][:4]}
-    generated = torch.load(os.environ["GENERATED"])["generated"] if "GENERATED" in os.environ else None
+    generated = (
+        torch.load(os.environ["GENERATED"])["generated"] if "GENERATED" in os.environ else None
+    )
     if generated is None:
-        llm = LLM(model=model, device=device, max_num_seqs=8 if smoke else 384,
-                  kv_cache_memory_gb=1 if smoke else 24)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in data["self_prompts"]],
-                               SamplingParams(temperature=0.0, max_tokens=8 if smoke else 192),
-                               use_tqdm=False)
+        llm = LLM(
+            model=model,
+            device=device,
+            max_num_seqs=8 if smoke else 384,
+            kv_cache_memory_gb=1 if smoke else 24,
+        )
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in data["self_prompts"]],
+            SamplingParams(temperature=0.0, max_tokens=8 if smoke else 192),
+            use_tqdm=False,
+        )
         sync()
         generated = [o.prompt_token_ids + o.outputs[0].token_ids for o in outputs]
-        report["self_generation"] = {"requests": len(generated),
-                                     "seconds": time.perf_counter() - started,
-                                     "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+        report["self_generation"] = {
+            "requests": len(generated),
+            "seconds": time.perf_counter() - started,
+            "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        }
         del llm
         torch.save({"generated": generated}, os.path.join(out_dir, "self_generated.pt"))
         print(json.dumps(report["self_generation"]), flush=True)
@@ -62,46 +74,79 @@ if stage in ("all", "train"):
     sequences = [sequences[i] for i in order]
     held_out = len(sequences) // 20
     # Repeats are added after the held-out split, so no held-out sequence is trained on.
-    extra = [sequences[j] for j in range(held_out, len(sequences))
-             if order[j] >= len(data["sequences"])] * (repeat - 1)
-    train, held = pack_sequences(sequences[held_out:] + extra, 256), pack_sequences(sequences[:held_out], 256)
-    report["data"] = {"train_rows": train.shape[0], "eval_rows": held.shape[0], "seq_len": 256,
-                      "sharegpt_sequences": len(data["sequences"]),
-                      "self_generated_sequences": len(generated), "self_repeat": repeat,
-                      "init_head": os.environ.get("INIT_HEAD")}
+    extra = [
+        sequences[j] for j in range(held_out, len(sequences)) if order[j] >= len(data["sequences"])
+    ] * (repeat - 1)
+    train, held = (
+        pack_sequences(sequences[held_out:] + extra, 256),
+        pack_sequences(sequences[:held_out], 256),
+    )
+    report["data"] = {
+        "train_rows": train.shape[0],
+        "eval_rows": held.shape[0],
+        "seq_len": 256,
+        "sharegpt_sequences": len(data["sequences"]),
+        "self_generated_sequences": len(generated),
+        "self_repeat": repeat,
+        "init_head": os.environ.get("INIT_HEAD"),
+    }
     # Leave about a minute of the call for the acceptance run.
     remaining = budget - (time.perf_counter() - started) - (5 if smoke else 75)
-    config = TrainConfig(steps=20 if smoke else 100_000, batch_size=2 if smoke else 32,
-                         seq_len=256, lr=float(os.environ.get("LR", "1e-3")), eval_every=500,
-                         time_budget_s=remaining, init_head=os.environ.get("INIT_HEAD"))
+    config = TrainConfig(
+        steps=20 if smoke else 100_000,
+        batch_size=2 if smoke else 32,
+        seq_len=256,
+        lr=float(os.environ.get("LR", "1e-3")),
+        eval_every=500,
+        time_budget_s=remaining,
+        init_head=os.environ.get("INIT_HEAD"),
+    )
     start = time.perf_counter()
-    _, summary = train_mtp(model, train, held, config, device, getattr(torch, dtype_name), head_dir,
-                           progress=False)
-    report["training"] = {"seconds": time.perf_counter() - start, "steps": summary["steps_run"],
-                          "history": summary["history"]}
+    _, summary = train_mtp(
+        model, train, held, config, device, getattr(torch, dtype_name), head_dir, progress=False
+    )
+    report["training"] = {
+        "seconds": time.perf_counter() - start,
+        "steps": summary["steps_run"],
+        "history": summary["history"],
+    }
     print(json.dumps(report["training"]["history"][-1]), flush=True)
 
 if stage in ("all", "train", "accept"):
     questions, tokens = (4, 8) if smoke else (80, 256)
-    llm = LLM(model=model, device=device, dtype=dtype_name, max_num_seqs=questions,
-              speculative="mtp", num_speculative_tokens=3, speculative_model=head_dir)
+    llm = LLM(
+        model=model,
+        device=device,
+        dtype=dtype_name,
+        max_num_seqs=questions,
+        speculative="mtp",
+        num_speculative_tokens=3,
+        speculative_model=head_dir,
+    )
     prompts = _prompts(llm.tokenizer, questions)
     before = llm.get_metrics()
     start = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens), use_tqdm=False)
     sync()
-    report["acceptance"] = {"k": 3, "questions": questions, "max_tokens": tokens,
-                            "batch_size": questions, "seconds": time.perf_counter() - start,
-                            **acceptance(before, llm.get_metrics(), 3)}
+    report["acceptance"] = {
+        "k": 3,
+        "questions": questions,
+        "max_tokens": tokens,
+        "batch_size": questions,
+        "seconds": time.perf_counter() - start,
+        **acceptance(before, llm.get_metrics(), 3),
+    }
     print(json.dumps(report["acceptance"]), flush=True)
     del llm
 
 if stage in ("all", "speed"):
     questions, tokens = (4, 8) if smoke else (80, 256)
-    report["spec"] = run_spec_bench(model, head_dir, 3, [16], questions, tokens, device,
-                                    dtype_name, None)
-    report["spec_batch1"] = run_spec_bench(model, head_dir, 3, [1], 2 if smoke else 8,
-                                           tokens // 2, device, dtype_name, None)
+    report["spec"] = run_spec_bench(
+        model, head_dir, 3, [16], questions, tokens, device, dtype_name, None
+    )
+    report["spec_batch1"] = run_spec_bench(
+        model, head_dir, 3, [1], 2 if smoke else 8, tokens // 2, device, dtype_name, None
+    )
 
 with open(os.path.join(out_dir, f"gpu_mtp_{stage}.json"), "w") as f:
     json.dump(report, f, indent=2, default=str)

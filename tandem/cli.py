@@ -16,29 +16,53 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                        help="KV cache size (default: 1 GB on the CPU; on CUDA the memory "
-                        "left under --gpu-memory-utilization)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of the GPU's memory the engine may use")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs: run every step eagerly")
+    parser.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV cache size (default: 1 GB on the CPU; on CUDA the memory "
+        "left under --gpu-memory-utilization)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the GPU's memory the engine may use",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly"
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--speculative", choices=["mtp"], default=None,
-                        help="speculative decoding method")
+    parser.add_argument(
+        "--speculative", choices=["mtp"], default=None, help="speculative decoding method"
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--speculative-model", default=None,
-                        help="MTP head directory (from tandem train-mtp) or 'dummy'")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="run scheduling and the model in turn (overlap is on by default)")
-    parser.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
-                        help="paged attention: the torch reference or the Triton kernel "
-                        "(default: triton on CUDA, torch on the CPU)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="shard the model over N processes, one per rank (GPU r for "
-                        "rank r); tandem serve starts them, tandem generate and the "
-                        "benchmarks run under torchrun")
+    parser.add_argument(
+        "--speculative-model",
+        default=None,
+        help="MTP head directory (from tandem train-mtp) or 'dummy'",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="run scheduling and the model in turn (overlap is on by default)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=["torch", "triton"],
+        default=None,
+        help="paged attention: the torch reference or the Triton kernel "
+        "(default: triton on CUDA, torch on the CPU)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N processes, one per rank (GPU r for "
+        "rank r); tandem serve starts them, tandem generate and the "
+        "benchmarks run under torchrun",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -111,16 +135,24 @@ def _serve(args: argparse.Namespace) -> int:
     from tandem.server.engine_client import AsyncEngineClient
 
     check_rank_devices(args.device, args.tensor_parallel_size)  # before any process starts
-    config = replace(engine_config(args), disagg=DisaggConfig(
-        role=args.role, kv_connector=args.kv_connector, control_host=args.disagg_host,
-        control_port=args.disagg_port, transfer_timeout_s=args.transfer_timeout_s))
+    config = replace(
+        engine_config(args),
+        disagg=DisaggConfig(
+            role=args.role,
+            kv_connector=args.kv_connector,
+            control_host=args.disagg_host,
+            control_port=args.disagg_port,
+            transfer_timeout_s=args.transfer_timeout_s,
+        ),
+    )
     name = args.served_model_name
     if name is None:
         path = resolve_model(args.model)
         name = DEFAULT_SERVED_NAME if args.model is None else path.rstrip("/").split("/")[-1]
     client = AsyncEngineClient(config)
-    app = build_app(client, name, api_key=args.api_key,
-                    max_pending_requests=args.max_pending_requests)
+    app = build_app(
+        client, name, api_key=args.api_key, max_pending_requests=args.max_pending_requests
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -128,9 +160,15 @@ def _serve(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     from tandem.disagg.router import run_router
 
-    run_router(args.prefill, args.decode, args.host, args.port, log_level=args.log_level,
-               health_interval_s=args.health_interval_s,
-               request_timeout_s=args.request_timeout_s)
+    run_router(
+        args.prefill,
+        args.decode,
+        args.host,
+        args.port,
+        log_level=args.log_level,
+        health_interval_s=args.health_interval_s,
+        request_timeout_s=args.request_timeout_s,
+    )
     return 0
 
 
@@ -150,36 +188,66 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=_generate)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=None,
-                       help="GGUF file, HF directory or dummy:NAME (default: SmolLM2-135M)")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="GGUF file, HF directory or dummy:NAME (default: SmolLM2-135M)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--max-pending-requests", type=int, default=1024,
-                       help="answer 503 beyond this many requests in the server")
+    serve.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="answer 503 beyond this many requests in the server",
+    )
     serve.add_argument("--log-level", default="info")
-    serve.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed",
-                       help="PD disaggregation: run whole requests (mixed), or only prompts "
-                       "for decode instances (prefill), or decode after a prefill instance")
-    serve.add_argument("--kv-connector", choices=["mooncake", "nccl", "cuda_ipc"],
-                       default="mooncake",
-                       help="how KV blocks move between prefill and decode instances")
-    serve.add_argument("--disagg-host", default="127.0.0.1",
-                       help="address peers reach this instance's control channel and KV on")
-    serve.add_argument("--disagg-port", type=int, default=0,
-                       help="control channel port (default: a free one)")
-    serve.add_argument("--transfer-timeout-s", type=float, default=30.0,
-                       help="a decode instance fails a request whose KV has not come by then")
+    serve.add_argument(
+        "--role",
+        choices=["mixed", "prefill", "decode"],
+        default="mixed",
+        help="PD disaggregation: run whole requests (mixed), or only prompts "
+        "for decode instances (prefill), or decode after a prefill instance",
+    )
+    serve.add_argument(
+        "--kv-connector",
+        choices=["mooncake", "nccl", "cuda_ipc"],
+        default="mooncake",
+        help="how KV blocks move between prefill and decode instances",
+    )
+    serve.add_argument(
+        "--disagg-host",
+        default="127.0.0.1",
+        help="address peers reach this instance's control channel and KV on",
+    )
+    serve.add_argument(
+        "--disagg-port", type=int, default=0, help="control channel port (default: a free one)"
+    )
+    serve.add_argument(
+        "--transfer-timeout-s",
+        type=float,
+        default=30.0,
+        help="a decode instance fails a request whose KV has not come by then",
+    )
     add_engine_arguments(serve)
     serve.set_defaults(handler=_serve)
 
-    router = commands.add_parser("router", help="OpenAI API in front of prefill and decode "
-                                 "instances (PD disaggregation)")
-    router.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                        help="prefill instances' base URLs (http://host:port)")
-    router.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                        help="decode instances' base URLs")
+    router = commands.add_parser(
+        "router", help="OpenAI API in front of prefill and decode instances (PD disaggregation)"
+    )
+    router.add_argument(
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="prefill instances' base URLs (http://host:port)",
+    )
+    router.add_argument(
+        "--decode", nargs="+", required=True, metavar="URL", help="decode instances' base URLs"
+    )
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--health-interval-s", type=float, default=2.0)

@@ -28,8 +28,9 @@ class CacheConfig:
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
 
 
 @dataclass
@@ -96,7 +97,8 @@ class DisaggConfig:
             raise ValueError(f"role must be one of {self.ROLES}, got {self.role!r}")
         if self.kv_connector not in self.CONNECTORS:
             raise ValueError(
-                f"kv_connector must be one of {self.CONNECTORS}, got {self.kv_connector!r}")
+                f"kv_connector must be one of {self.CONNECTORS}, got {self.kv_connector!r}"
+            )
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if not 0 <= self.control_port < 65536:
@@ -114,8 +116,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.rank < self.tensor_parallel_size:
             raise ValueError(f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}")
 
@@ -143,11 +144,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+            )
         if self.parallel.tensor_parallel_size > 1 and self.disagg.role != "mixed":
-            raise ValueError(f"role {self.disagg.role!r} with tensor_parallel_size "
-                             f"{self.parallel.tensor_parallel_size} is not supported yet "
-                             "(PD disaggregation runs one rank per instance)")
+            raise ValueError(
+                f"role {self.disagg.role!r} with tensor_parallel_size "
+                f"{self.parallel.tensor_parallel_size} is not supported yet "
+                "(PD disaggregation runs one rank per instance)"
+            )
 
     def resolved_attention_backend(self) -> str:
         """The attention backend's name: as set, else triton on CUDA and torch elsewhere."""

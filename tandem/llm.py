@@ -56,8 +56,13 @@ def engine_config(
         overlap=overlap,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
-        cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb, enable_prefix_caching,
-                          gpu_memory_utilization),
+        cache=CacheConfig(
+            block_size,
+            num_kv_blocks,
+            kv_cache_memory_gb,
+            enable_prefix_caching,
+            gpu_memory_utilization,
+        ),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
         speculative=SpeculativeConfig(
             speculative, num_speculative_tokens if speculative else 0, speculative_model
@@ -162,8 +167,10 @@ class LLM:
         prepared = [self._prepare(p) for p in prompts]
         for _, token_ids in prepared:
             self.engine.validate(token_ids)
-        order = [self.add_request({"prompt": text, "prompt_token_ids": ids}, params)
-                 for (text, ids), params in zip(prepared, sampling_params)]
+        order = [
+            self.add_request({"prompt": text, "prompt_token_ids": ids}, params)
+            for (text, ids), params in zip(prepared, sampling_params, strict=True)
+        ]
         return self._run_until_done(order, use_tqdm)
 
     def _run_until_done(self, order: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
@@ -206,8 +213,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c)}
-                   for c in conversations]
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.apply_chat_template(c)} for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> dict[str, float]:

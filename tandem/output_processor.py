@@ -48,7 +48,10 @@ class OutputProcessor:
         self._token_text: dict[int, str] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
         params: SamplingParams,
     ) -> None:
         self.states[request_id] = RequestState(

@@ -26,8 +26,14 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED_STATUSES
 
 
-_FINISHED_STATUSES = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                                RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+_FINISHED_STATUSES = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
 
 # One generated position's logprobs: (sampled token id, its logprob, its rank,
 # [(top token id, logprob), ...] sorted by logprob descending).

@@ -68,8 +68,9 @@ class DeviceReader:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def start(self, tensors: list[torch.Tensor],
-              begun: torch.cuda.Event | None = None) -> PendingRead:
+    def start(
+        self, tensors: list[torch.Tensor], begun: torch.cuda.Event | None = None
+    ) -> PendingRead:
         """Queue the copies of ``tensors`` to the host (no wait); ``begun`` (from
         ``begin``) times the step."""
         if self.device.type != "cuda":

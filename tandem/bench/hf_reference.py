@@ -215,15 +215,20 @@ def hf_greedy_generate(
 def reference_from_output(completion) -> dict:
     """A greedy reference (``hf_greedy_generate``'s shape) from one of Tandem's own outputs;
     it must have been generated with ``logprobs >= 2``."""
-    logprobs = [position[token].logprob
-                for token, position in zip(completion.token_ids, completion.logprobs, strict=True)]
-    top2 = [tuple(sorted((lp.logprob for lp in position.values()), reverse=True)[:2])
-            for position in completion.logprobs]
+    logprobs = [
+        position[token].logprob
+        for token, position in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
+    top2 = [
+        tuple(sorted((lp.logprob for lp in position.values()), reverse=True)[:2])
+        for position in completion.logprobs
+    ]
     return {"token_ids": list(completion.token_ids), "logprobs": logprobs, "top2": top2}
 
 
-def tie_rule_mismatches(outputs, references: list[dict], tolerance: float = 1e-4
-                        ) -> tuple[list[str], int]:
+def tie_rule_mismatches(
+    outputs, references: list[dict], tolerance: float = 1e-4
+) -> tuple[list[str], int]:
     """Compare generated outputs with greedy references.
 
     Tokens must be equal and each logprob within ``tolerance``; the one allowed difference is
@@ -236,20 +241,25 @@ def tie_rule_mismatches(outputs, references: list[dict], tolerance: float = 1e-4
     for index, (output, ref) in enumerate(zip(outputs, references, strict=True)):
         completion = output.outputs[0]
         ours, theirs = completion.token_ids, ref["token_ids"]
-        for position, (token, ref_token) in enumerate(zip(ours, theirs)):
+        for position, (token, ref_token) in enumerate(zip(ours, theirs, strict=False)):
             if token != ref_token:
                 best, second = ref["top2"][position]
                 if best - second >= tolerance:
-                    problems.append(f"prompt {index}: token {position} is {token}, the reference "
-                                    f"chose {ref_token} with a margin of {best - second:.2e}")
+                    problems.append(
+                        f"prompt {index}: token {position} is {token}, the reference "
+                        f"chose {ref_token} with a margin of {best - second:.2e}"
+                    )
                 ties += 1
                 break
             ours_lp = completion.logprobs[position][token].logprob
             if abs(ours_lp - ref["logprobs"][position]) >= tolerance:
-                problems.append(f"prompt {index}: logprob at {position} is {ours_lp}, "
-                                f"the reference has {ref['logprobs'][position]}")
+                problems.append(
+                    f"prompt {index}: logprob at {position} is {ours_lp}, "
+                    f"the reference has {ref['logprobs'][position]}"
+                )
         else:
             if len(ours) != len(theirs):
-                problems.append(f"prompt {index}: {len(ours)} tokens, the reference has "
-                                f"{len(theirs)}")
+                problems.append(
+                    f"prompt {index}: {len(ours)} tokens, the reference has {len(theirs)}"
+                )
     return problems, ties

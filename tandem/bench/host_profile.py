@@ -22,9 +22,14 @@ def profile_host(run: Callable[[], object], top: int = 30) -> dict:
 
     def ranked(key: int) -> list[dict]:
         rows = sorted(stats.stats.items(), key=lambda item: item[1][key], reverse=True)
-        return [{"function": f"{path}:{line}({name})", "calls": calls[1],
-                 "own_s": calls[2], "cumulative_s": calls[3]}
-                for (path, line, name), calls in rows[:top]]
+        return [
+            {
+                "function": f"{path}:{line}({name})",
+                "calls": calls[1],
+                "own_s": calls[2],
+                "cumulative_s": calls[3],
+            }
+            for (path, line, name), calls in rows[:top]
+        ]
 
-    return {"total_s": stats.total_tt, "by_own_time": ranked(2),
-            "by_cumulative_time": ranked(3)}
+    return {"total_s": stats.total_tt, "by_own_time": ranked(2), "by_cumulative_time": ranked(3)}

@@ -40,15 +40,25 @@ def _kernel_profile(llm, prompts: list[dict], params, steps: int) -> dict:
         return {"profile_note": profiled["note"]}
     for entry in profiled["top"]:
         entry["us_per_step"] = round(entry["total_us"] / steps, 2)
-    return {"profile_busy_ms_per_step": profiled["busy_us"] / steps / 1000,
-            "profile_window_ms_per_step": profiled["window_us"] / steps / 1000,
-            "profile_device_ops_per_step": profiled["device_ops"] / steps,
-            "profile_top_device_ops": profiled["top"]}
+    return {
+        "profile_busy_ms_per_step": profiled["busy_us"] / steps / 1000,
+        "profile_window_ms_per_step": profiled["window_us"] / steps / 1000,
+        "profile_device_ops_per_step": profiled["device_ops"] / steps,
+        "profile_top_device_ops": profiled["top"],
+    }
 
 
-def run_latency_bench(model: str | None, batch_size: int, input_len: int, output_len: int,
-                      num_iters: int, bandwidth_tbps: float, out_dir: str | None,
-                      profile: bool = False, **engine_options) -> dict:
+def run_latency_bench(
+    model: str | None,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    num_iters: int,
+    bandwidth_tbps: float,
+    out_dir: str | None,
+    profile: bool = False,
+    **engine_options,
+) -> dict:
     """Median decode milliseconds per token over ``num_iters`` runs, and the roofline.
 
     With ``profile`` (CUDA only) one more run goes through the profiler and the result holds
@@ -59,8 +69,9 @@ def run_latency_bench(model: str | None, batch_size: int, input_len: int, output
     if output_len < 2:
         raise ValueError(f"output_len must be >= 2, got {output_len}")
     llm = LLM(model=model, max_num_seqs=max(batch_size, 1), **engine_options)
-    requests = random_requests(batch_size, input_len, output_len,
-                               llm.engine.arch.vocab_size, seed=0)
+    requests = random_requests(
+        batch_size, input_len, output_len, llm.engine.arch.vocab_size, seed=0
+    )
     prompts = [{"prompt_token_ids": r.prompt} for r in requests]
     full = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -75,9 +86,15 @@ def run_latency_bench(model: str | None, batch_size: int, input_len: int, output
     nbytes = weight_bytes(llm.engine.runner.model)
     roofline_ms = nbytes / (bandwidth_tbps * 1e12) * 1000
     result = {
-        "config": {"model": llm.model_path, "batch_size": batch_size, "input_len": input_len,
-                   "output_len": output_len, "num_iters": num_iters,
-                   "bandwidth_tbps": bandwidth_tbps, **engine_options},
+        "config": {
+            "model": llm.model_path,
+            "batch_size": batch_size,
+            "input_len": input_len,
+            "output_len": output_len,
+            "num_iters": num_iters,
+            "bandwidth_tbps": bandwidth_tbps,
+            **engine_options,
+        },
         "weight_bytes": nbytes,
         "prefill_s": statistics.median(prefill_s),
         "decode_ms_per_token": ms_per_token,
@@ -90,9 +107,12 @@ def run_latency_bench(model: str | None, batch_size: int, input_len: int, output
     if profile and str(engine_options.get("device", "cpu")).startswith("cuda"):
         result.update(_kernel_profile(llm, prompts, full, output_len))
     llm.engine.shutdown()
-    print(f"decode {ms_per_token:.3f} ms/token at batch {batch_size} (roofline "
-          f"{roofline_ms:.3f} ms: {result['fraction_of_roofline']:.1%}); prefill of "
-          f"{input_len} tokens {result['prefill_s'] * 1000:.1f} ms", flush=True)
+    print(
+        f"decode {ms_per_token:.3f} ms/token at batch {batch_size} (roofline "
+        f"{roofline_ms:.3f} ms: {result['fraction_of_roofline']:.1%}); prefill of "
+        f"{input_len} tokens {result['prefill_s'] * 1000:.1f} ms",
+        flush=True,
+    )
     if out_dir:
         tp = engine_options.get("tensor_parallel_size", 1)
         path = result_path(out_dir, "latency" + (f"-tp{tp}" if tp > 1 else ""))
@@ -116,16 +136,27 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--bandwidth-tbps", type=float, default=4.14,
-                        help="memory bandwidth for the roofline (H200: 4.14 TB/s measured)")
+    parser.add_argument(
+        "--bandwidth-tbps",
+        type=float,
+        default=4.14,
+        help="memory bandwidth for the roofline (H200: 4.14 TB/s measured)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-overlap", action="store_true")
-    parser.add_argument("--profile", action="store_true",
-                        help="CUDA: one more run under the profiler; top device ops per step")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="N ranks, one process each, started by torchrun")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: one more run under the profiler; top device ops per step",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="N ranks, one process each, started by torchrun",
+    )
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
 
 
@@ -135,10 +166,19 @@ def main_from_args(args: argparse.Namespace) -> int:
     from tandem.models.tensor_parallel import join_torchrun_group
 
     device, rank = join_torchrun_group(args.device, args.tensor_parallel_size)
-    run_latency_bench(args.model, args.batch_size, args.input_len, args.output_len,
-                      args.num_iters, args.bandwidth_tbps, args.out_dir if rank == 0 else None,
-                      profile=args.profile, device=device,
-                      dtype=args.dtype, enforce_eager=args.enforce_eager,
-                      overlap=not args.no_overlap,
-                      tensor_parallel_size=args.tensor_parallel_size)
+    run_latency_bench(
+        args.model,
+        args.batch_size,
+        args.input_len,
+        args.output_len,
+        args.num_iters,
+        args.bandwidth_tbps,
+        args.out_dir if rank == 0 else None,
+        profile=args.profile,
+        device=device,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        overlap=not args.no_overlap,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     return 0

@@ -36,8 +36,9 @@ def _new_record() -> dict:
     return {"ttft": None, "itl": [], "tokens": 0, "error": None}
 
 
-async def _run_one(client, prompt: list[int], params, remote: str | None, delay: float,
-                   record: dict) -> None:
+async def _run_one(
+    client, prompt: list[int], params, remote: str | None, delay: float, record: dict
+) -> None:
     from tandem.server.engine_client import RequestFailed
 
     await asyncio.sleep(delay)
@@ -60,21 +61,20 @@ async def _run_one(client, prompt: list[int], params, remote: str | None, delay:
 async def _load(decode_client, remote: str | None, vocab: int, args) -> dict:
     from tandem import SamplingParams
 
-    short = random_requests(args.num_decode, args.decode_prompt_len, args.decode_output_len,
-                            vocab, seed=1)
-    long = random_requests(args.num_long, args.long_prompt_len, args.long_output_len, vocab,
-                           seed=2)
+    short = random_requests(
+        args.num_decode, args.decode_prompt_len, args.decode_output_len, vocab, seed=1
+    )
+    long = random_requests(args.num_long, args.long_prompt_len, args.long_output_len, vocab, seed=2)
     records = {"decode": [], "long": []}
     tasks = []
     for kind, requests, delays in (
-            ("decode", short, [0.0] * len(short)),
-            ("long", long, [args.long_start_s + i * args.long_interval_s
-                            for i in range(len(long))])):
+        ("decode", short, [0.0] * len(short)),
+        ("long", long, [args.long_start_s + i * args.long_interval_s for i in range(len(long))]),
+    ):
         for request, delay in zip(requests, delays, strict=True):
             record = _new_record()
             records[kind].append(record)
-            params = SamplingParams(temperature=0.0, max_tokens=request.output_len,
-                                    ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
             tasks.append(_run_one(decode_client, request.prompt, params, remote, delay, record))
     start = time.perf_counter()
     await asyncio.gather(*tasks)
@@ -84,8 +84,11 @@ async def _load(decode_client, remote: str | None, vocab: int, args) -> dict:
     return {
         "elapsed_s": elapsed,
         "errors": sum(r["error"] is not None for rs in records.values() for r in rs),
-        "decode_itl": {**latency_stats(itl), "max_ms": max(itl, default=0) * 1000,
-                       "count": len(itl)},
+        "decode_itl": {
+            **latency_stats(itl),
+            "max_ms": max(itl, default=0) * 1000,
+            "count": len(itl),
+        },
         "long_ttft": latency_stats(ttft),
         "output_tokens": sum(r["tokens"] for rs in records.values() for r in rs),
     }
@@ -98,13 +101,18 @@ async def _warm_up(client, remote: str | None, vocab: int, args) -> float:
     from tandem import SamplingParams
 
     # seeds apart from the load's (1, 2) and from each other: no prefix-cache hits
-    requests = (random_requests(1, args.long_prompt_len, 2, vocab, seed=3)
-                + random_requests(1, args.decode_prompt_len, 2, vocab, seed=4))
+    requests = random_requests(1, args.long_prompt_len, 2, vocab, seed=3) + random_requests(
+        1, args.decode_prompt_len, 2, vocab, seed=4
+    )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     records = [_new_record() for _ in requests]
     start = time.perf_counter()
-    await asyncio.gather(*(_run_one(client, request.prompt, params, remote, 0.0, record)
-                           for request, record in zip(requests, records, strict=True)))
+    await asyncio.gather(
+        *(
+            _run_one(client, request.prompt, params, remote, 0.0, record)
+            for request, record in zip(requests, records, strict=True)
+        )
+    )
     errors = [r["error"] for r in records if r["error"] is not None]
     if errors:
         raise RuntimeError(f"warm-up request failed: {errors[0]}")
@@ -117,12 +125,16 @@ async def _bench(args) -> dict:
     from tandem.server.engine_client import AsyncEngineClient
 
     def on(device: str):
-        return engine_config(args.model, device=device, dtype=args.dtype,
-                             kv_cache_memory_gb=args.kv_cache_memory_gb,
-                             max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             speculative="mtp" if args.mtp else None,
-                             num_speculative_tokens=args.num_speculative_tokens)
+        return engine_config(
+            args.model,
+            device=device,
+            dtype=args.dtype,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            speculative="mtp" if args.mtp else None,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
 
     base = on(args.device)
     result: dict = {"config": {k: v for k, v in vars(args).items() if k != "handler"}}
@@ -136,8 +148,14 @@ async def _bench(args) -> dict:
     print(f"mixed: {json.dumps(result['mixed'])}", flush=True)
 
     def role(name: str, device: str):
-        return replace(on(device), disagg=DisaggConfig(
-            role=name, kv_connector=args.kv_connector, transfer_timeout_s=args.transfer_timeout_s))
+        return replace(
+            on(device),
+            disagg=DisaggConfig(
+                role=name,
+                kv_connector=args.kv_connector,
+                transfer_timeout_s=args.transfer_timeout_s,
+            ),
+        )
 
     prefill = AsyncEngineClient(role("prefill", args.prefill_device))
     decode = AsyncEngineClient(role("decode", args.decode_device))
@@ -161,18 +179,22 @@ async def _bench(args) -> dict:
         seconds = p("pd_kv_transfer_s")
         # No handoff max: pd_handoff_s_max is a running max since start, so it would
         # include the warm-up's handoff (the connector's first connection).
-        result["pd"].update({
-            "kv_transfers": p("pd_kv_transfers"),
-            "kv_bytes": p("pd_kv_bytes"),
-            "kv_gb_per_s": p("pd_kv_bytes") / seconds / 1e9 if seconds else None,
-            "kv_transfer_ms_mean": (seconds / p("pd_kv_transfers") * 1000
-                                    if p("pd_kv_transfers") else None),
-            "handoff_ms_mean": (d("pd_handoff_s_sum") / d("pd_handoffs") * 1000
-                                if d("pd_handoffs") else None),
-            "failures": p("pd_failures") + d("pd_failures"),
-            "prefill_steps": p("num_steps"),
-            "decode_steps": d("num_steps"),
-        })
+        result["pd"].update(
+            {
+                "kv_transfers": p("pd_kv_transfers"),
+                "kv_bytes": p("pd_kv_bytes"),
+                "kv_gb_per_s": p("pd_kv_bytes") / seconds / 1e9 if seconds else None,
+                "kv_transfer_ms_mean": (
+                    seconds / p("pd_kv_transfers") * 1000 if p("pd_kv_transfers") else None
+                ),
+                "handoff_ms_mean": (
+                    d("pd_handoff_s_sum") / d("pd_handoffs") * 1000 if d("pd_handoffs") else None
+                ),
+                "failures": p("pd_failures") + d("pd_failures"),
+                "prefill_steps": p("num_steps"),
+                "decode_steps": d("num_steps"),
+            }
+        )
     finally:
         await decode.shutdown()
         await prefill.shutdown()
@@ -187,10 +209,12 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--prefill-device", default=None, help="default: --device")
     parser.add_argument("--decode-device", default=None, help="default: --device")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--kv-connector", choices=["mooncake", "nccl", "cuda_ipc"],
-                        default="mooncake")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
-                        help="per instance (two share one GPU)")
+    parser.add_argument(
+        "--kv-connector", choices=["mooncake", "nccl", "cuda_ipc"], default="mooncake"
+    )
+    parser.add_argument(
+        "--kv-cache-memory-gb", type=float, default=1.0, help="per instance (two share one GPU)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--mtp", action="store_true", help="MTP speculative decoding on both")

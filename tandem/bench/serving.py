@@ -95,8 +95,12 @@ def latency_stats(values: list[float]) -> dict[str, float]:
         return {"mean_ms": 0.0, "p50_ms": 0.0, "p90_ms": 0.0, "p99_ms": 0.0}
     ms = np.asarray(values, dtype=float) * 1000.0
     p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-    return {"mean_ms": float(ms.mean()), "p50_ms": float(p50), "p90_ms": float(p90),
-            "p99_ms": float(p99)}
+    return {
+        "mean_ms": float(ms.mean()),
+        "p50_ms": float(p50),
+        "p90_ms": float(p90),
+        "p99_ms": float(p99),
+    }
 
 
 def tpot(record: RequestRecord) -> float | None:
@@ -119,9 +123,12 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict[str
         "e2e": [r.e2e for r in ok if r.e2e is not None],
     }
     metrics: dict[str, Any] = {
-        "successful_requests": len(ok), "failed_requests": len(records) - len(ok),
-        "duration_s": duration_s, "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens, "request_throughput": len(ok) / per,
+        "successful_requests": len(ok),
+        "failed_requests": len(records) - len(ok),
+        "duration_s": duration_s,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / per,
         "output_throughput": out_tokens / per,
         "total_token_throughput": (in_tokens + out_tokens) / per,
     }
@@ -131,8 +138,13 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> dict[str
 
 def _payload(config: ServeConfig, model: str, req: BenchRequest) -> dict[str, Any]:
     """The JSON body of one streamed, greedy request."""
-    body: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
         body["max_completion_tokens"] = req.output_len
@@ -152,8 +164,9 @@ def _chunk_text(data: dict[str, Any]) -> str:
     return delta.get("content") or delta.get("reasoning_content") or ""
 
 
-async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                       record: RequestRecord, t0: float) -> RequestRecord:
+async def send_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord, t0: float
+) -> RequestRecord:
     """Stream one request and fill ``record``; errors are recorded, never raised."""
     start = time.perf_counter()
     record.send_s = start - t0
@@ -219,13 +232,21 @@ def build_requests(config: ServeConfig) -> list[BenchRequest]:
 
     tok = Tokenizer.from_model_path(config.tokenizer or default_model_path())
     if config.dataset == "sharegpt":
-        return load_sharegpt(config.num_prompts, tok, seed=config.seed,
-                             max_prompt_len=config.max_prompt_len,
-                             max_total_len=config.max_prompt_len + config.max_output_len,
-                             max_output_len=config.max_output_len)
-    reqs = random_requests(config.num_prompts, config.random_input_len or config.max_prompt_len,
-                           config.random_output_len or config.max_output_len,
-                           tok.vocab_size, config.seed)
+        return load_sharegpt(
+            config.num_prompts,
+            tok,
+            seed=config.seed,
+            max_prompt_len=config.max_prompt_len,
+            max_total_len=config.max_prompt_len + config.max_output_len,
+            max_output_len=config.max_output_len,
+        )
+    reqs = random_requests(
+        config.num_prompts,
+        config.random_input_len or config.max_prompt_len,
+        config.random_output_len or config.max_output_len,
+        tok.vocab_size,
+        config.seed,
+    )
     if config.endpoint == "chat":
         for r in reqs:
             r.prompt = tok.decode(list(r.prompt))
@@ -234,9 +255,14 @@ def build_requests(config: ServeConfig) -> list[BenchRequest]:
 
 def machine_info() -> dict[str, Any]:
     """Where the client ran (the server may be elsewhere)."""
-    return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "processor": platform.processor(), "cpu_count": os.cpu_count(),
-            "python_version": platform.python_version(), "httpx_version": httpx.__version__}
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python_version": platform.python_version(),
+        "httpx_version": httpx.__version__,
+    }
 
 
 async def run_benchmark(config: ServeConfig) -> dict[str, Any]:
@@ -251,19 +277,26 @@ async def run_benchmark(config: ServeConfig) -> dict[str, Any]:
         raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {config.endpoint!r}")
     if config.dataset not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, got {config.dataset!r}")
-    if config.num_prompts < 1 or (config.max_concurrency is not None and config.max_concurrency < 1):
+    if config.num_prompts < 1 or (
+        config.max_concurrency is not None and config.max_concurrency < 1
+    ):
         raise ValueError("num_prompts and max_concurrency must be >= 1")
     reqs = build_requests(config)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(config.timeout_s),
-                                 limits=limits, transport=config.transport) as client:
+    async with httpx.AsyncClient(
+        headers=headers,
+        timeout=httpx.Timeout(config.timeout_s),
+        limits=limits,
+        transport=config.transport,
+    ) as client:
         base = config.base_url.rstrip("/").removesuffix("/v1")  # the server root
         model = config.model or await fetch_model(client, base)
         url = base + ("/v1/chat/completions" if config.endpoint == "chat" else "/v1/completions")
         offsets = arrival_offsets(len(reqs), config.request_rate, config.seed)
         sem: AbstractAsyncContextManager[Any] = (
-            asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else nullcontext())
+            asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else nullcontext()
+        )
         bar = tqdm(total=len(reqs), desc="serve bench", disable=config.disable_tqdm)
         t0 = time.perf_counter()
 
@@ -278,12 +311,18 @@ async def run_benchmark(config: ServeConfig) -> dict[str, Any]:
         records = await asyncio.gather(*(one(r, o) for r, o in zip(reqs, offsets, strict=True)))
         duration = time.perf_counter() - t0
         bar.close()
-    cfg = {f.name: getattr(config, f.name) for f in fields(config)
-           if f.name not in ("requests", "transport", "api_key")}
+    cfg = {
+        f.name: getattr(config, f.name)
+        for f in fields(config)
+        if f.name not in ("requests", "transport", "api_key")
+    }
     cfg.update(model=model, request_rate=str(config.request_rate), num_requests=len(reqs))
-    result: dict[str, Any] = {"config": cfg, "machine": machine_info(),
-                              "metrics": compute_metrics(records, duration),
-                              "records": [asdict(r) for r in records]}
+    result: dict[str, Any] = {
+        "config": cfg,
+        "machine": machine_info(),
+        "metrics": compute_metrics(records, duration),
+        "records": [asdict(r) for r in records],
+    }
     print(format_table(result["metrics"]))
     if config.save:
         save_result(result, config.out_dir, config.label or config.dataset)
@@ -292,16 +331,25 @@ async def run_benchmark(config: ServeConfig) -> dict[str, Any]:
 
 def format_table(metrics: dict[str, Any]) -> str:
     """A plain-text table of the metrics."""
-    labels = {"successful_requests": "Successful requests", "failed_requests": "Failed requests",
-              "duration_s": "Duration (s)", "total_input_tokens": "Total input tokens",
-              "total_output_tokens": "Total output tokens",
-              "request_throughput": "Request throughput (req/s)",
-              "output_throughput": "Output token throughput (tok/s)",
-              "total_token_throughput": "Total token throughput (tok/s)"}
-    rows = [(text, f"{metrics[key]:.2f}" if isinstance(metrics[key], float) else str(metrics[key]))
-            for key, text in labels.items()]
-    rows += [(f"{stat.capitalize()} {name.upper()} (ms)", f"{metrics[name][f'{stat}_ms']:.2f}")
-             for name in _LATENCIES for stat in ("mean", "p50", "p90", "p99")]
+    labels = {
+        "successful_requests": "Successful requests",
+        "failed_requests": "Failed requests",
+        "duration_s": "Duration (s)",
+        "total_input_tokens": "Total input tokens",
+        "total_output_tokens": "Total output tokens",
+        "request_throughput": "Request throughput (req/s)",
+        "output_throughput": "Output token throughput (tok/s)",
+        "total_token_throughput": "Total token throughput (tok/s)",
+    }
+    rows = [
+        (text, f"{metrics[key]:.2f}" if isinstance(metrics[key], float) else str(metrics[key]))
+        for key, text in labels.items()
+    ]
+    rows += [
+        (f"{stat.capitalize()} {name.upper()} (ms)", f"{metrics[name][f'{stat}_ms']:.2f}")
+        for name in _LATENCIES
+        for stat in ("mean", "p50", "p90", "p99")
+    ]
     width = max(len(k) for k, _ in rows) + 2
     line = "=" * (width + 12)
     body = "\n".join(f"{k:<{width}}{v:>12}" for k, v in rows)
@@ -348,7 +396,8 @@ def plot_result(result: dict[str, Any], path: str) -> None:
         f"{cfg['model']} {cfg['endpoint']} {cfg['dataset']} rate={cfg['request_rate']} | "
         f"{m['successful_requests']} ok, {m['failed_requests']} failed | "
         f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} out tok/s | "
-        f"TTFT p50 {m['ttft']['p50_ms']:.1f} ms, ITL p50 {m['itl']['p50_ms']:.1f} ms")
+        f"TTFT p50 {m['ttft']['p50_ms']:.1f} ms, ITL p50 {m['itl']['p50_ms']:.1f} ms"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -360,8 +409,12 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", choices=ENDPOINTS, default="completions")
     parser.add_argument("--dataset", choices=DATASETS, default="sharegpt")
     parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests/s with Poisson arrivals (default inf: all at once)")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s with Poisson arrivals (default inf: all at once)",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--max-output-len", type=int, default=128)
     parser.add_argument("--max-prompt-len", type=int, default=512)
@@ -369,12 +422,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-output-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="send ignore_eos (vLLM's extra field) for exact output lengths")
-    parser.add_argument("--tokenizer", default=None,
-                        help="model path for the tokenizer (default: SmolLM2's GGUF)")
-    parser.add_argument("--timeout", dest="timeout_s", type=float, default=600.0,
-                        help="seconds per request")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (vLLM's extra field) for exact output lengths",
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="model path for the tokenizer (default: SmolLM2's GGUF)"
+    )
+    parser.add_argument(
+        "--timeout", dest="timeout_s", type=float, default=600.0, help="seconds per request"
+    )
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--label", default=None)
 

@@ -64,26 +64,30 @@ def summarize_steps(records: list[StepRecord]) -> dict:
     falls short of the interval, the device idled between steps. ``schedule_s`` and
     ``launch_s``: the host's time scheduling and launching steps (the rest of an interval
     is applying results and the caller's own work). ``series``: every interval's numbers."""
-    intervals = [(later, later.time_s - earlier.time_s)
-                 for earlier, later in pairwise(records)]
+    intervals = [(later, later.time_s - earlier.time_s) for earlier, later in pairwise(records)]
     mixed = [(r, dt) for r, dt in intervals if r.num_prompt_rows]
     decode = [(r, dt) for r, dt in intervals if not r.num_prompt_rows]
     buckets = []
     low = 1
     for high in (*_ROW_BUCKETS, None):
-        chosen = [(r, dt) for r, dt in decode
-                  if r.num_rows >= low and (high is None or r.num_rows <= high)]
+        chosen = [
+            (r, dt)
+            for r, dt in decode
+            if r.num_rows >= low and (high is None or r.num_rows <= high)
+        ]
         if chosen:
-            buckets.append({
-                "rows": f"{low}-{high}" if high is not None else f"{low}+",
-                "steps": len(chosen),
-                "time_s": sum(dt for _, dt in chosen),
-                "mean_step_ms": 1e3 * sum(dt for _, dt in chosen) / len(chosen),
-                "host_wait_s": sum(r.wait_s for r, _ in chosen),
-                "device_s": sum(r.device_s for r, _ in chosen),
-                "schedule_s": sum(r.schedule_s for r, _ in chosen),
-                "launch_s": sum(r.launch_s for r, _ in chosen),
-            })
+            buckets.append(
+                {
+                    "rows": f"{low}-{high}" if high is not None else f"{low}+",
+                    "steps": len(chosen),
+                    "time_s": sum(dt for _, dt in chosen),
+                    "mean_step_ms": 1e3 * sum(dt for _, dt in chosen) / len(chosen),
+                    "host_wait_s": sum(r.wait_s for r, _ in chosen),
+                    "device_s": sum(r.device_s for r, _ in chosen),
+                    "schedule_s": sum(r.schedule_s for r, _ in chosen),
+                    "launch_s": sum(r.launch_s for r, _ in chosen),
+                }
+            )
         if high is not None:
             low = high + 1
     decode_rows = sum(r.num_rows for r, _ in decode)
@@ -95,22 +99,37 @@ def summarize_steps(records: list[StepRecord]) -> dict:
         "host_wait_in_steps_with_prefill_s": sum(r.wait_s for r, _ in mixed),
         "device_in_steps_with_prefill_s": sum(r.device_s for r, _ in mixed),
         "mean_tokens_in_steps_with_prefill": (
-            sum(r.num_tokens for r, _ in mixed) / len(mixed) if mixed else 0.0),
+            sum(r.num_tokens for r, _ in mixed) / len(mixed) if mixed else 0.0
+        ),
         "decode_only_steps": len(decode),
         "time_in_decode_only_steps_s": sum(dt for _, dt in decode),
         "mean_rows_in_decode_only_steps": decode_rows / len(decode) if decode else 0.0,
         "decode_only_steps_by_rows": buckets,
         # Every step after the first: rows, prompt rows, then milliseconds of the interval,
         # of the host's scheduling, launching and waiting in it, and of the device's step.
-        "series_fields": ["rows", "prompt_rows", "interval_ms", "schedule_ms", "launch_ms",
-                          "wait_ms", "device_ms"],
-        "series": [[r.num_rows, r.num_prompt_rows, *(round(1e3 * x, 3) for x in (
-            dt, r.schedule_s, r.launch_s, r.wait_s, r.device_s))] for r, dt in intervals],
+        "series_fields": [
+            "rows",
+            "prompt_rows",
+            "interval_ms",
+            "schedule_ms",
+            "launch_ms",
+            "wait_ms",
+            "device_ms",
+        ],
+        "series": [
+            [
+                r.num_rows,
+                r.num_prompt_rows,
+                *(round(1e3 * x, 3) for x in (dt, r.schedule_s, r.launch_s, r.wait_s, r.device_s)),
+            ]
+            for r, dt in intervals
+        ],
     }
 
 
-def profile_step_window(llm, prompts: list, params: list, first: int, count: int,
-                        top: int = 25) -> dict:
+def profile_step_window(
+    llm, prompts: list, params: list, first: int, count: int, top: int = 25
+) -> dict:
     """Where the device time of a run's steps ``first`` to ``first + count - 1`` goes.
 
     The requests run from the start as ``llm.generate`` would; after ``first`` steps the
@@ -160,6 +179,12 @@ def profile_step_window(llm, prompts: list, params: list, first: int, count: int
         "gpu_busy_fraction": busy_fraction(intervals, span) if intervals else 0.0,
         "device_ops_per_step": len(intervals) / count,
         "device_op_ms_per_step": sum(e - s for s, e in intervals) / 1e3 / count,
-        "top_ms_per_step": [{"name": op["name"], "calls_per_step": op["count"] / count,
-                             "ms_per_step": op["total_us"] / 1e3 / count} for op in ops],
+        "top_ms_per_step": [
+            {
+                "name": op["name"],
+                "calls_per_step": op["count"] / count,
+                "ms_per_step": op["total_us"] / 1e3 / count,
+            }
+            for op in ops
+        ],
     }

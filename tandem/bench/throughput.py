@@ -83,8 +83,9 @@ def _engine_inputs(reqs: list[BenchRequest]) -> tuple[list[dict], list]:
     from tandem import SamplingParams
 
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in reqs]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
-              for r in reqs]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in reqs
+    ]
     return prompts, params
 
 
@@ -119,20 +120,24 @@ def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
     profiled = profile_generate(llm, prompts, params, llm.engine.config.device, top=20)
     if "note" in profiled:
         return {"note": profiled["note"]}
-    return {"num_requests": len(reqs), "window_s": profiled["window_us"] / 1e6,
-            "gpu_busy_fraction": profiled["busy_fraction"],
-            "device_ops": profiled["device_ops"], "top_device_ops": profiled["top"]}
+    return {
+        "num_requests": len(reqs),
+        "window_s": profiled["window_us"] / 1e6,
+        "gpu_busy_fraction": profiled["busy_fraction"],
+        "device_ops": profiled["device_ops"],
+        "top_device_ops": profiled["top"],
+    }
 
 
-def _profile_tandem_steps(llm: Any, reqs: list[BenchRequest],
-                          windows: list[tuple[int, int]]) -> list[dict]:
+def _profile_tandem_steps(
+    llm: Any, reqs: list[BenchRequest], windows: list[tuple[int, int]]
+) -> list[dict]:
     """For each (first, count) window, the requests rerun to step ``first`` and ``count``
     steps from there under the CUDA profiler (device time per step by kernel)."""
     from tandem.bench.steps import profile_step_window
 
     prompts, params = _engine_inputs(reqs)
-    return [profile_step_window(llm, prompts, params, first, count)
-            for first, count in windows]
+    return [profile_step_window(llm, prompts, params, first, count) for first, count in windows]
 
 
 def parse_step_windows(text: str) -> list[tuple[int, int]]:
@@ -269,18 +274,25 @@ def run_throughput(
 
     llm = LLM(model=model, **llm_kwargs)
     vocab = llm.engine.arch.vocab_size  # a dummy model may have fewer ids than the tokenizer
-    reqs = build_requests(dataset, num_prompts, llm.tokenizer, max_prompt_len, max_output_len, seed,
-                          vocab_size=vocab)
+    reqs = build_requests(
+        dataset, num_prompts, llm.tokenizer, max_prompt_len, max_output_len, seed, vocab_size=vocab
+    )
     prompt_tokens = sum(r.prompt_len for r in reqs)
     output_tokens = sum(r.output_len for r in reqs)
     model_path = llm.model_path
     warmup_ids = [t % vocab for t in llm.tokenizer.encode(_WARMUP_TEXT)]
     tandem_s, generated, steps = _run_tandem(llm, reqs, warmup_ids, device)
-    profiled = (_profile_tandem(llm, reqs[:profile_prompts])
-                if profile_prompts and device.startswith("cuda") else None)
+    profiled = (
+        _profile_tandem(llm, reqs[:profile_prompts])
+        if profile_prompts and device.startswith("cuda")
+        else None
+    )
     host_profiled = _host_profile_tandem(llm, reqs) if host_profile else None
-    step_profiles = (_profile_tandem_steps(llm, reqs, profile_steps)
-                     if profile_steps and device.startswith("cuda") else None)
+    step_profiles = (
+        _profile_tandem_steps(llm, reqs, profile_steps)
+        if profile_steps and device.startswith("cuda")
+        else None
+    )
     threads = torch.get_num_threads()  # after Tandem ran, in case it set its own
     del llm
     gc.collect()
@@ -321,8 +333,11 @@ def run_throughput(
         result["tandem_step_profiles"] = step_profiles
     safe_device = re.sub(r"[^A-Za-z0-9_.-]", "", device.split(":")[0])
     tp = llm_kwargs.get("tensor_parallel_size", 1)
-    path = (result_path(out_dir, f"throughput-{dataset}-{safe_device}"
-                        + (f"-tp{tp}" if tp > 1 else "")) if out_dir else None)
+    path = (
+        result_path(out_dir, f"throughput-{dataset}-{safe_device}" + (f"-tp{tp}" if tp > 1 else ""))
+        if out_dir
+        else None
+    )
     result["output_path"] = path
     if path:  # Tandem's numbers first, in case the reference run is cut short
         write_json(result, path)
@@ -331,8 +346,12 @@ def run_throughput(
         dtype = torch_dtype(llm_kwargs.get("dtype"), device)
         hf_reqs = reqs[:hf_num_prompts] if hf_num_prompts else reqs
         hf_s = _run_hf(model_path, hf_reqs, warmup_ids, hf_batch_size, device, dtype)
-        result["hf"] = _metrics(len(hf_reqs), sum(r.prompt_len for r in hf_reqs),
-                                sum(r.output_len for r in hf_reqs), hf_s)
+        result["hf"] = _metrics(
+            len(hf_reqs),
+            sum(r.prompt_len for r in hf_reqs),
+            sum(r.output_len for r in hf_reqs),
+            hf_s,
+        )
         result["hf"]["dtype"] = str(dtype).removeprefix("torch.")
         result["ratio"] = {
             key: result["tandem"][key] / result["hf"][key]
@@ -371,26 +390,54 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: Tandem's)")
     parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: Tandem's)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="token budget of one step (prefill chunks and decode rows)")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                        help="KV cache size (default: the engine's)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step (prefill chunks and decode rows)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV cache size (default: the engine's)",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="measure Tandem only")
-    parser.add_argument("--profile-prompts", type=int, default=0,
-                        help="CUDA: run the first N requests again under the profiler (GPU "
-                        "busy share, top device ops)")
-    parser.add_argument("--host-profile", action="store_true",
-                        help="run the requests again under cProfile (the host's hot functions)")
-    parser.add_argument("--profile-steps", type=parse_step_windows, default=None,
-                        metavar="FIRST:COUNT[,...]",
-                        help="CUDA: rerun the requests and profile COUNT steps from step FIRST "
-                        "(device time per step by kernel), once per window")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="N ranks, one process each, started by torchrun (with --skip-hf)")
-    parser.add_argument("--hf-num-prompts", type=int, default=None,
-                        help="run transformers on only the first N requests")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="run Tandem without overlap scheduling")
+    parser.add_argument(
+        "--profile-prompts",
+        type=int,
+        default=0,
+        help="CUDA: run the first N requests again under the profiler (GPU "
+        "busy share, top device ops)",
+    )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="run the requests again under cProfile (the host's hot functions)",
+    )
+    parser.add_argument(
+        "--profile-steps",
+        type=parse_step_windows,
+        default=None,
+        metavar="FIRST:COUNT[,...]",
+        help="CUDA: rerun the requests and profile COUNT steps from step FIRST "
+        "(device time per step by kernel), once per window",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="N ranks, one process each, started by torchrun (with --skip-hf)",
+    )
+    parser.add_argument(
+        "--hf-num-prompts",
+        type=int,
+        default=None,
+        help="run transformers on only the first N requests",
+    )
+    parser.add_argument(
+        "--no-overlap", action="store_true", help="run Tandem without overlap scheduling"
+    )
 
 
 def main_from_args(args: argparse.Namespace) -> int:
@@ -398,8 +445,10 @@ def main_from_args(args: argparse.Namespace) -> int:
     from tandem.models.tensor_parallel import join_torchrun_group
 
     if args.tensor_parallel_size > 1 and not args.skip_hf:
-        raise SystemExit("--tensor-parallel-size > 1 measures Tandem only: add --skip-hf "
-                         "(the transformers reference runs on one GPU, at size 1)")
+        raise SystemExit(
+            "--tensor-parallel-size > 1 measures Tandem only: add --skip-hf "
+            "(the transformers reference runs on one GPU, at size 1)"
+        )
     llm_kwargs: dict[str, Any] = {}
     device, rank = join_torchrun_group(args.device or "cpu", args.tensor_parallel_size)
     if args.device is not None or args.tensor_parallel_size > 1:

@@ -13,8 +13,9 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(llm, prompts: list, params, batch_size: int | None = None,
-                   use_tqdm: bool = False) -> tuple[float, int]:
+def timed_generate(
+    llm, prompts: list, params, batch_size: int | None = None, use_tqdm: bool = False
+) -> tuple[float, int]:
     """Generate ``prompts`` (all at once, or in waves of ``batch_size``); returns
     (seconds, output tokens), the device synchronized before and after."""
     device = llm.config.device

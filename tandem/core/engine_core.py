@@ -63,8 +63,9 @@ class EngineCore:
         block_size = config.cache.block_size
         spec = config.speculative
         use_mtp = spec.method == "mtp"
-        self.runner = ModelRunner(config, files, max_len, mtp_source=spec.model if use_mtp
-                                  else None, use_mtp=use_mtp)
+        self.runner = ModelRunner(
+            config, files, max_len, mtp_source=spec.model if use_mtp else None, use_mtp=use_mtp
+        )
         num_mtp_layers = self.runner.mtp_head.num_layers if use_mtp else 0
         # The runner's arch: with tensor parallelism a rank caches only its own KV heads.
         per_block = kv_cache_bytes_per_block(self.runner.arch, block_size, dtype, num_mtp_layers)
@@ -80,8 +81,12 @@ class EngineCore:
         self.block_manager = BlockManager(
             num_blocks, block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, max_len,
-                                   spec.num_speculative_tokens if spec.method else 0)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            max_len,
+            spec.num_speculative_tokens if spec.method else 0,
+        )
         # Overlap scheduling: the step launched but not applied yet.
         self._overlap = config.overlap
         self._in_flight: SchedulerOutput | None = None
@@ -144,14 +149,21 @@ class EngineCore:
             if disagg.kv_connector == "mooncake":
                 options = {"hostname": disagg.control_host, "timeout_s": timeout_s}
             elif disagg.kv_connector == "nccl":  # only a decode instance receives
-                options = {"host": disagg.control_host, "timeout_s": timeout_s,
-                           "serve": disagg.role == "decode"}
+                options = {
+                    "host": disagg.control_host,
+                    "timeout_s": timeout_s,
+                    "serve": disagg.role == "decode",
+                }
             connector = make_kv_connector(disagg.kv_connector, **options)
         proposer = self.runner.proposer
         connector.register(self.runner.kv_caches + (proposer.kv_caches if proposer else []))
         channel = ControlChannel(disagg.control_host, disagg.control_port)
-        logger.info("%s instance: control channel %s, KV connector %s", disagg.role,
-                    channel.address, type(connector).__name__)
+        logger.info(
+            "%s instance: control channel %s, KV connector %s",
+            disagg.role,
+            channel.address,
+            type(connector).__name__,
+        )
         if disagg.role == "prefill":
             return PrefillRole(self, channel, connector)
         return DecodeRole(self, channel, connector, disagg.transfer_timeout_s)
@@ -169,15 +181,22 @@ class EngineCore:
             used = max(total - free, torch.cuda.memory_reserved(self.runner.device))
             reserve = _CUDA_GRAPH_RESERVE if self.runner.uses_cuda_graphs else 0
             budget = total * cache.gpu_memory_utilization - used - peak - reserve
-            logger.info("KV cache budget %.2f GiB: GPU %.1f GiB x %.2f, in use %.2f GiB, "
-                        "largest step %.2f GiB, CUDA graphs %.2f GiB", budget / 2**30,
-                        total / 2**30, cache.gpu_memory_utilization, used / 2**30,
-                        peak / 2**30, reserve / 2**30)
+            logger.info(
+                "KV cache budget %.2f GiB: GPU %.1f GiB x %.2f, in use %.2f GiB, "
+                "largest step %.2f GiB, CUDA graphs %.2f GiB",
+                budget / 2**30,
+                total / 2**30,
+                cache.gpu_memory_utilization,
+                used / 2**30,
+                peak / 2**30,
+                reserve / 2**30,
+            )
             if budget < bytes_per_block:
                 raise ValueError(
                     f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
                     f"{total / 2**30:.1f}, the largest step needs {peak / 2**30:.2f}; raise "
-                    "--gpu-memory-utilization or lower --max-num-batched-tokens")
+                    "--gpu-memory-utilization or lower --max-num-batched-tokens"
+                )
         else:
             budget = cache.CPU_DEFAULT_GB * 2**30
         return max(1, int(budget // bytes_per_block))
@@ -208,9 +227,11 @@ class EngineCore:
         """Queue a request (ValueError if it can never run here). One that names a
         ``remote_prefill`` needs the decode role: its prompt's KV comes from there."""
         if request.remote_prefill and self.config.disagg.role != "decode":
-            raise ValueError("this instance's role is "
-                             f"{self.config.disagg.role!r}; only a decode instance takes "
-                             "requests prefilled elsewhere")
+            raise ValueError(
+                "this instance's role is "
+                f"{self.config.disagg.role!r}; only a decode instance takes "
+                "requests prefilled elsewhere"
+            )
         self.validate(request.prompt_token_ids)
         self.scheduler.add_request(request)
         self.counters["num_requests_added"] += 1
@@ -230,8 +251,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """True while a request is waiting or running, a step is still in flight, or (PD)
         a handover is under way."""
-        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
-                or (self.pd is not None and self.pd.busy))
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or (self.pd is not None and self.pd.busy)
+        )
 
     @property
     def control_address(self) -> str | None:
@@ -261,8 +285,12 @@ class EngineCore:
         """Cumulative seconds: waiting for the device, the device's own step time (when
         timed), scheduling, launching."""
         reader = self.runner.reader
-        return (reader.wait_seconds, reader.device_seconds, self._schedule_seconds,
-                self.runner.launch_seconds)
+        return (
+            reader.wait_seconds,
+            reader.device_seconds,
+            self._schedule_seconds,
+            self.runner.launch_seconds,
+        )
 
     def _step(self) -> list[RequestUpdate]:
         started = time.perf_counter()
@@ -288,12 +316,21 @@ class EngineCore:
         if self.step_log is not None:
             clocks = self._clocks()
             wait, device, schedule, launch = (
-                now - then for now, then in zip(clocks, self._logged_clocks))
+                now - then for now, then in zip(clocks, self._logged_clocks, strict=True)
+            )
             self._logged_clocks = clocks
-            self.step_log.append(StepRecord(
-                time.perf_counter(), len(step.scheduled),
-                sum(s.start < s.request.num_prompt_tokens for s in step.scheduled),
-                step.num_batched_tokens, wait, device, schedule, launch))
+            self.step_log.append(
+                StepRecord(
+                    time.perf_counter(),
+                    len(step.scheduled),
+                    sum(s.start < s.request.num_prompt_tokens for s in step.scheduled),
+                    step.num_batched_tokens,
+                    wait,
+                    device,
+                    schedule,
+                    launch,
+                )
+            )
         updates = self.scheduler.update_from_output(step, results)
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] = self.scheduler.num_preemptions

@@ -76,7 +76,13 @@ def update_from_list(data: list) -> RequestUpdate:
         return [(e[0], e[1], e[2], [tuple(t) for t in e[3]]) for e in entries]
 
     return RequestUpdate(
-        request_id, tokens, as_entries(logprobs), as_entries(prompt_logprobs), finish, stop, cached,
+        request_id,
+        tokens,
+        as_entries(logprobs),
+        as_entries(prompt_logprobs),
+        finish,
+        stop,
+        cached,
         error,
     )
 
@@ -107,12 +113,15 @@ def join_tensor_parallel_group(config: EngineConfig, setup: RankSetup) -> Engine
     from tandem.models.tensor_parallel import check_rank_devices, init_process_group
 
     check_rank_devices(config.device, setup.world_size)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(setup.master_port),
-                      RANK=str(setup.rank), WORLD_SIZE=str(setup.world_size),
-                      LOCAL_RANK=str(setup.rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(setup.master_port),
+        RANK=str(setup.rank),
+        WORLD_SIZE=str(setup.world_size),
+        LOCAL_RANK=str(setup.rank),
+    )
     device = init_process_group(config.device)
-    return replace(config, device=device,
-                   parallel=ParallelConfig(setup.world_size, setup.rank))
+    return replace(config, device=device, parallel=ParallelConfig(setup.world_size, setup.rank))
 
 
 class EngineCoreProcess:
@@ -122,8 +131,13 @@ class EngineCoreProcess:
     higher rank it reads its input from the leader instead of the client and sends nothing
     back (the leader reports for all ranks)."""
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str,
-                 setup: RankSetup | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_address: str,
+        output_address: str,
+        setup: RankSetup | None = None,
+    ):
         from tandem.core.engine_core import EngineCore
 
         if setup is not None:
@@ -247,8 +261,9 @@ class EngineCoreProcess:
         self.context.term()
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    setup: RankSetup | None = None) -> None:
+def run_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, setup: RankSetup | None = None
+) -> None:
     """Process entry point: start the core (a tensor-parallel rank with ``setup``), report a
     startup failure, run until shutdown."""
     logging.basicConfig(level=logging.INFO)

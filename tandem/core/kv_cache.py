@@ -149,8 +149,11 @@ class BlockManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         num_needed = self.blocks_needed(total_tokens) - len(held) - len(new_computed_blocks)
-        num_reusable_free = sum(1 for b in new_computed_blocks
-                                if self.blocks[b].ref_count == 0) if new_computed_blocks else 0
+        num_reusable_free = (
+            sum(1 for b in new_computed_blocks if self.blocks[b].ref_count == 0)
+            if new_computed_blocks
+            else 0
+        )
         if num_needed > len(self._free) - num_reusable_free:
             return False
         held = self._req_blocks.setdefault(request.request_id, held)

@@ -156,7 +156,8 @@ class Scheduler:
         blocks and sequence slots last); returns the requests now ready to receive KV."""
         admitted = []
         while self.waiting_remote and (
-                len(self.running) + len(self.receiving) < self.config.max_num_seqs):
+            len(self.running) + len(self.receiving) < self.config.max_num_seqs
+        ):
             request = self.waiting_remote[0]
             if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
                 break
@@ -166,9 +167,15 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def insert_remote(self, request_id: str, token_id: int, logprobs: list[TokenLogprobs],
-                      prompt_logprobs: list[TokenLogprobs], num_drafts: int,
-                      num_cached_tokens: int) -> RequestUpdate | None:
+    def insert_remote(
+        self,
+        request_id: str,
+        token_id: int,
+        logprobs: list[TokenLogprobs],
+        prompt_logprobs: list[TokenLogprobs],
+        num_drafts: int,
+        num_cached_tokens: int,
+    ) -> RequestUpdate | None:
         """The prompt's KV has arrived with the first token: the request runs from here
         (its next step verifies ``num_drafts`` drafts) unless that token already ends it.
         Returns its update, or None when it is no longer waiting for KV."""
@@ -184,9 +191,15 @@ class Scheduler:
         new_tokens, new_logprobs = self._append_tokens(request, [token_id], logprobs)
         if not request.is_finished:
             request.num_draft_tokens = num_drafts
-        return RequestUpdate(request_id, new_tokens, new_logprobs, list(prompt_logprobs),
-                             request.finish_reason, request.stop_reason,
-                             request.num_cached_tokens)
+        return RequestUpdate(
+            request_id,
+            new_tokens,
+            new_logprobs,
+            list(prompt_logprobs),
+            request.finish_reason,
+            request.stop_reason,
+            request.num_cached_tokens,
+        )
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks of a finished request that a KV transfer was using."""
@@ -261,8 +274,10 @@ class Scheduler:
     def _ends_in_flight(self, request: Request) -> bool:
         """The sampling row in flight emits at least one token, which reaches max_tokens
         or the context."""
-        return (request.num_output_tokens + 1 >= request.max_tokens
-                or request.num_tokens + 1 >= self.max_model_len)
+        return (
+            request.num_output_tokens + 1 >= request.max_tokens
+            or request.num_tokens + 1 >= self.max_model_len
+        )
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Known tokens not yet computed, plus the drafts to verify, within the budget."""
@@ -285,10 +300,13 @@ class Scheduler:
         room = self.max_model_len - (num_computed + num_new)
         return max(0, min(self.num_speculative_tokens, room))
 
-    def _row(self, request: Request, num_new: int, follow_up: bool,
-             admitted: bool = False) -> ScheduledRequest:
+    def _row(
+        self, request: Request, num_new: int, follow_up: bool, admitted: bool = False
+    ) -> ScheduledRequest:
         row = ScheduledRequest(
-            request, num_new, list(self.block_manager.block_ids(request.request_id)),
+            request,
+            num_new,
+            list(self.block_manager.block_ids(request.request_id)),
             start=request.num_computed_tokens,
         )
         if admitted:
@@ -336,19 +354,22 @@ class Scheduler:
                 # KV stays valid for the known tokens and the accepted drafts: every new
                 # token but the last (whose KV the next step computes).
                 request.num_computed_tokens = request.num_tokens + len(sampled) - 1
-                self._count_drafts(runner_output.num_verified_drafts.get(request_id, 0),
-                                   len(sampled) - 1)
+                self._count_drafts(
+                    runner_output.num_verified_drafts.get(request_id, 0), len(sampled) - 1
+                )
                 if request.num_in_flight:
                     # The follow-up row in flight starts here and runs at most 1 + k tokens.
                     request.in_flight_end = min(
                         request.in_flight_end,
-                        request.num_computed_tokens + 1 + self.num_speculative_tokens)
+                        request.num_computed_tokens + 1 + self.num_speculative_tokens,
+                    )
             # Before any stop check: finishing frees the blocks.
             self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
             request.prompt_logprobs.extend(new_prompt_logprobs)
             new_tokens, new_logprobs = self._append_tokens(
-                request, sampled, runner_output.logprobs.get(request_id, []))
+                request, sampled, runner_output.logprobs.get(request_id, [])
+            )
             if sampled and not request.is_finished:
                 request.num_draft_tokens = runner_output.num_drafts.get(request_id, 0)
             if new_tokens or new_prompt_logprobs or request.is_finished:
@@ -365,9 +386,9 @@ class Scheduler:
                 )
         return updates
 
-    def _append_tokens(self, request: Request, sampled: list[int],
-                       sampled_logprobs: list[TokenLogprobs]
-                       ) -> tuple[list[int], list[TokenLogprobs]]:
+    def _append_tokens(
+        self, request: Request, sampled: list[int], sampled_logprobs: list[TokenLogprobs]
+    ) -> tuple[list[int], list[TokenLogprobs]]:
         """Append sampled tokens (and their logprobs) up to the first that stops it."""
         new_tokens: list[int] = []
         new_logprobs: list[TokenLogprobs] = []
@@ -391,8 +412,10 @@ class Scheduler:
             self.spec_accepted_per_pos[position] += 1
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
-        if (token_id in request.end_token_ids
-                and request.num_output_tokens >= request.sampling_params.min_tokens):
+        if (
+            token_id in request.end_token_ids
+            and request.num_output_tokens >= request.sampling_params.min_tokens
+        ):
             request.stop_reason = token_id
             self._finish(request, RequestStatus.FINISHED_STOPPED)
             return True

@@ -50,8 +50,7 @@ class ControlChannel:
         """Every message waiting, after waiting up to ``timeout_ms`` for the first."""
         messages = []
         while self._inbox.poll(timeout_ms):
-            messages.append(msgpack.unpackb(self._inbox.recv(), raw=False,
-                                            strict_map_key=False))
+            messages.append(msgpack.unpackb(self._inbox.recv(), raw=False, strict_map_key=False))
             timeout_ms = 0
         return messages
 

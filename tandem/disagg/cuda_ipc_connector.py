@@ -22,8 +22,12 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout
 
 # The globals that pickled rebuild_cuda_tensor arguments refer to (dtypes are checked apart).
-_ALLOWED_GLOBALS = {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "TypedStorage"),
-                    ("torch.storage", "UntypedStorage")}
+_ALLOWED_GLOBALS = {
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.storage", "TypedStorage"),
+    ("torch.storage", "UntypedStorage"),
+}
 
 
 class _HandleUnpickler(pickle.Unpickler):
@@ -40,8 +44,10 @@ def gpu_id(device: torch.device | int) -> str:
     uuid = getattr(props, "uuid", None)
     if uuid is not None:
         return f"GPU-{uuid}"
-    return (f"PCI-{getattr(props, 'pci_domain_id', 0):04x}:{getattr(props, 'pci_bus_id', 0):02x}:"
-            f"{getattr(props, 'pci_device_id', 0):02x}")
+    return (
+        f"PCI-{getattr(props, 'pci_domain_id', 0):04x}:{getattr(props, 'pci_bus_id', 0):02x}:"
+        f"{getattr(props, 'pci_device_id', 0):02x}"
+    )
 
 
 class CudaIpcKVConnector(KVConnector):
@@ -60,20 +66,28 @@ class CudaIpcKVConnector(KVConnector):
         layout = cache_layout(caches)
         device = caches[0].device
         if device.type != "cuda" or any(cache.device != device for cache in caches):
-            raise KVTransferError(f"caches: the cuda_ipc connector needs CUDA tensors on one "
-                                  f"device, got {sorted({str(cache.device) for cache in caches})}")
+            raise KVTransferError(
+                f"caches: the cuda_ipc connector needs CUDA tensors on one "
+                f"device, got {sorted({str(cache.device) for cache in caches})}"
+            )
         handles = []
         for cache in caches:
             rebuild, args = reduce_tensor(cache)
             if rebuild is not rebuild_cuda_tensor:
-                raise KVTransferError(f"caches: torch cannot share {rebuild.__name__} tensors "
-                                      "over CUDA IPC")
+                raise KVTransferError(
+                    f"caches: torch cannot share {rebuild.__name__} tensors over CUDA IPC"
+                )
             handles.append(args)
         self.caches = list(caches)
         self._stream = torch.cuda.Stream(device)
-        self._descriptor = {"kind": self.kind, "pid": os.getpid(), "device_index": device.index,
-                            "device_id": gpu_id(device), "handles": pickle.dumps(handles),
-                            **layout}
+        self._descriptor = {
+            "kind": self.kind,
+            "pid": os.getpid(),
+            "device_index": device.index,
+            "device_id": gpu_id(device),
+            "handles": pickle.dumps(handles),
+            **layout,
+        }
 
     def descriptor(self) -> dict:
         """Layout, process id, GPU (index and UUID) and the pickled IPC handles of the caches."""
@@ -90,23 +104,34 @@ class CudaIpcKVConnector(KVConnector):
             return self._peers[handles]
         name = f"pid {peer.get('pid')} on {peer.get('device_id')}"
         if peer.get("pid") == os.getpid():
-            raise KVTransferError(f"peer {name} is this process: CUDA IPC cannot open its own "
-                                  "handles (use the local connector)")
+            raise KVTransferError(
+                f"peer {name} is this process: CUDA IPC cannot open its own "
+                "handles (use the local connector)"
+            )
         index = peer.get("device_index")
-        if (not isinstance(index, int) or not 0 <= index < torch.cuda.device_count()
-                or gpu_id(index) != peer.get("device_id")):
-            raise KVTransferError(f"peer {name}: its GPU is not cuda:{index} in this process "
-                                  "(another host, or a different CUDA_VISIBLE_DEVICES)")
+        if (
+            not isinstance(index, int)
+            or not 0 <= index < torch.cuda.device_count()
+            or gpu_id(index) != peer.get("device_id")
+        ):
+            raise KVTransferError(
+                f"peer {name}: its GPU is not cuda:{index} in this process "
+                "(another host, or a different CUDA_VISIBLE_DEVICES)"
+            )
         try:
-            caches = [rebuild_cuda_tensor(*args) for args in _HandleUnpickler(
-                io.BytesIO(handles)).load()]
+            caches = [
+                rebuild_cuda_tensor(*args) for args in _HandleUnpickler(io.BytesIO(handles)).load()
+            ]
         except (RuntimeError, pickle.UnpicklingError, TypeError, ValueError) as error:
-            raise KVTransferError(f"cannot open the KV caches of peer {name} over CUDA IPC "
-                                  f"(no peer access between the GPUs, or the peer is gone): "
-                                  f"{error}") from error
+            raise KVTransferError(
+                f"cannot open the KV caches of peer {name} over CUDA IPC "
+                f"(no peer access between the GPUs, or the peer is gone): "
+                f"{error}"
+            ) from error
         if len(caches) != len(self.caches):
-            raise KVTransferError(f"peer {name} shares {len(caches)} caches, expected "
-                                  f"{len(self.caches)}")
+            raise KVTransferError(
+                f"peer {name} shares {len(caches)} caches, expected {len(self.caches)}"
+            )
         self._peers[handles] = caches
         return caches
 
@@ -118,12 +143,15 @@ class CudaIpcKVConnector(KVConnector):
             with torch.cuda.stream(self._stream):
                 for src_cache, dst_cache in zip(self.caches, peer_caches, strict=True):
                     for src, dst, length in runs:
-                        dst_cache[:, dst:dst + length].copy_(src_cache[:, src:src + length],
-                                                             non_blocking=True)
+                        dst_cache[:, dst : dst + length].copy_(
+                            src_cache[:, src : src + length], non_blocking=True
+                        )
             self._stream.synchronize()
         except RuntimeError as error:
-            raise KVTransferError(f"CUDA IPC write to peer pid {peer.get('pid')} on "
-                                  f"{peer.get('device_id')} failed: {error}") from error
+            raise KVTransferError(
+                f"CUDA IPC write to peer pid {peer.get('pid')} on "
+                f"{peer.get('device_id')} failed: {error}"
+            ) from error
 
     def close(self) -> None:
         """Unmap the peers' caches and forget the local ones; safe to call twice."""

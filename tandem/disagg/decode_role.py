@@ -50,8 +50,7 @@ def _entries(raw: list) -> list:
 class DecodeRole:
     """Asks prefill instances for prompts' KV and inserts the requests when it arrives."""
 
-    def __init__(self, core, channel: ControlChannel, connector: KVConnector,
-                 timeout_s: float):
+    def __init__(self, core, channel: ControlChannel, connector: KVConnector, timeout_s: float):
         self.core = core
         self.channel = channel
         self.connector = connector
@@ -59,8 +58,12 @@ class DecodeRole:
         self._pending: dict[str, _Pending] = {}
         # Handoff latency: from the prefill instance's "transferring" to the KV and the first
         # token here.
-        self.counters = {"pd_handoffs": 0, "pd_handoff_s_sum": 0.0, "pd_handoff_s_max": 0.0,
-                         "pd_failures": 0}
+        self.counters = {
+            "pd_handoffs": 0,
+            "pd_handoff_s_sum": 0.0,
+            "pd_handoff_s_max": 0.0,
+            "pd_failures": 0,
+        }
         self._prefix = f"{channel.address}/"  # request ids are unique per decode instance
 
     @property
@@ -87,12 +90,12 @@ class DecodeRole:
                 latency = time.monotonic() - pending.transferring_at
                 self.counters["pd_handoffs"] += 1
                 self.counters["pd_handoff_s_sum"] += latency
-                self.counters["pd_handoff_s_max"] = max(self.counters["pd_handoff_s_max"],
-                                                        latency)
+                self.counters["pd_handoff_s_max"] = max(self.counters["pd_handoff_s_max"], latency)
                 updates += self._insert(request_id, message)
             elif message.get("type") == "kv_failed" and request_id in self.core.scheduler.receiving:
-                updates += self._fail(request_id, "prefill instance "
-                                      f"{pending.prefill} failed: {message.get('error')}")
+                updates += self._fail(
+                    request_id, f"prefill instance {pending.prefill} failed: {message.get('error')}"
+                )
         updates += self._expire()
         updates += self._ask()
         return updates
@@ -113,18 +116,24 @@ class DecodeRole:
             request_id = request.request_id
             now = time.monotonic()
             self._pending[request_id] = _Pending(request.remote_prefill, now, transferring_at=now)
-            sent = self.channel.send(request.remote_prefill, {
-                "type": "prefill", "request_id": self._prefix + request_id,
-                "prompt_token_ids": request.prompt_token_ids,
-                "params": params_to_dict(request.sampling_params),
-                "kv": self.connector.descriptor(),
-                "dst_blocks": list(self.core.block_manager.block_ids(request_id)),
-                "reply_to": self.channel.address, "timeout_s": self.timeout_s,
-            })
+            sent = self.channel.send(
+                request.remote_prefill,
+                {
+                    "type": "prefill",
+                    "request_id": self._prefix + request_id,
+                    "prompt_token_ids": request.prompt_token_ids,
+                    "params": params_to_dict(request.sampling_params),
+                    "kv": self.connector.descriptor(),
+                    "dst_blocks": list(self.core.block_manager.block_ids(request_id)),
+                    "reply_to": self.channel.address,
+                    "timeout_s": self.timeout_s,
+                },
+            )
             if not sent:
                 self._pending[request_id].answered = True  # nothing can come
-                updates += self._fail(request_id, "could not reach prefill instance "
-                                      f"{request.remote_prefill}")
+                updates += self._fail(
+                    request_id, f"could not reach prefill instance {request.remote_prefill}"
+                )
         return updates
 
     def _insert(self, request_id: str, message: dict) -> list[RequestUpdate]:
@@ -134,13 +143,20 @@ class DecodeRole:
             return []  # it ended meanwhile; its held blocks are released by _expire
         token_id = int(message["token_id"])
         self.core.runner.insert_handoff(
-            request_id, request.prompt_token_ids + [token_id], request.num_prompt_tokens,
-            message.get("handoff") or {}, request.sampling_params.seed)
+            request_id,
+            request.prompt_token_ids + [token_id],
+            request.num_prompt_tokens,
+            message.get("handoff") or {},
+            request.sampling_params.seed,
+        )
         update = scheduler.insert_remote(
-            request_id, token_id, _entries(message.get("logprobs") or []),
+            request_id,
+            token_id,
+            _entries(message.get("logprobs") or []),
             _entries(message.get("prompt_logprobs") or []),
             len((message.get("handoff") or {}).get("drafts") or []),
-            int(message.get("num_cached_tokens", 0)))
+            int(message.get("num_cached_tokens", 0)),
+        )
         return [update] if update is not None else []
 
     def _expire(self) -> list[RequestUpdate]:
@@ -150,8 +166,11 @@ class DecodeRole:
         for request_id, pending in list(self._pending.items()):
             if request_id in scheduler.receiving:
                 if now - pending.sent_at > self.timeout_s:
-                    updates += self._fail(request_id, "no KV from prefill instance "
-                                          f"{pending.prefill} within {self.timeout_s:g} s")
+                    updates += self._fail(
+                        request_id,
+                        "no KV from prefill instance "
+                        f"{pending.prefill} within {self.timeout_s:g} s",
+                    )
                 continue
             if request_id in scheduler.held:
                 if not pending.answered and not pending.cancel_sent:  # aborted meanwhile
@@ -165,8 +184,9 @@ class DecodeRole:
 
     def _cancel(self, request_id: str, pending: _Pending) -> None:
         pending.cancel_sent = True
-        self.channel.send(pending.prefill, {"type": "cancel",
-                                            "request_id": self._prefix + request_id})
+        self.channel.send(
+            pending.prefill, {"type": "cancel", "request_id": self._prefix + request_id}
+        )
 
     def _fail(self, request_id: str, error: str) -> list[RequestUpdate]:
         self.counters["pd_failures"] += 1
@@ -176,5 +196,6 @@ class DecodeRole:
             self._cancel(request_id, pending)
         scheduler = self.core.scheduler
         scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
-        return [RequestUpdate(request_id, [], [], [], RequestStatus.FINISHED_ERROR.value,
-                              error=error)]
+        return [
+            RequestUpdate(request_id, [], [], [], RequestStatus.FINISHED_ERROR.value, error=error)
+        ]

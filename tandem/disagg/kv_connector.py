@@ -16,8 +16,15 @@ from abc import ABC, abstractmethod
 import torch
 
 # Fields that must be equal on both sides for a block of one to be a block of the other.
-LAYOUT_FIELDS = ("kind", "num_layers", "dtype", "block_size", "num_kv_heads", "head_dim",
-                 "block_bytes")
+LAYOUT_FIELDS = (
+    "kind",
+    "num_layers",
+    "dtype",
+    "block_size",
+    "num_kv_heads",
+    "head_dim",
+    "block_bytes",
+)
 
 
 class KVTransferError(RuntimeError):
@@ -31,11 +38,15 @@ def cache_layout(caches: list[torch.Tensor]) -> dict:
     first = caches[0]
     for layer, cache in enumerate(caches):
         if cache.dim() != 5 or cache.shape[0] != 2:
-            raise KVTransferError(f"caches[{layer}]: expected shape (2, num_blocks, block_size, "
-                                  f"num_kv_heads, head_dim), got {tuple(cache.shape)}")
+            raise KVTransferError(
+                f"caches[{layer}]: expected shape (2, num_blocks, block_size, "
+                f"num_kv_heads, head_dim), got {tuple(cache.shape)}"
+            )
         if cache.shape != first.shape or cache.dtype != first.dtype:
-            raise KVTransferError(f"caches[{layer}]: shape {tuple(cache.shape)} {cache.dtype} "
-                                  f"differs from layer 0's {tuple(first.shape)} {first.dtype}")
+            raise KVTransferError(
+                f"caches[{layer}]: shape {tuple(cache.shape)} {cache.dtype} "
+                f"differs from layer 0's {tuple(first.shape)} {first.dtype}"
+            )
         if not cache.is_contiguous():
             raise KVTransferError(f"caches[{layer}]: must be contiguous")
     _, num_blocks, block_size, num_kv_heads, head_dim = first.shape
@@ -56,8 +67,9 @@ def check_compatible(local: dict, peer: dict) -> None:
         if field not in peer:
             raise KVTransferError(f"peer descriptor lacks the field {field!r}")
         if local.get(field) != peer[field]:
-            raise KVTransferError(f"KV layout mismatch in {field!r}: local {local.get(field)!r}, "
-                                  f"peer {peer[field]!r}")
+            raise KVTransferError(
+                f"KV layout mismatch in {field!r}: local {local.get(field)!r}, peer {peer[field]!r}"
+            )
 
 
 def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -107,8 +119,10 @@ class KVConnector(ABC):
         local = self.descriptor()
         check_compatible(local, peer)
         if len(src_blocks) != len(dst_blocks):
-            raise KVTransferError(f"src_blocks ({len(src_blocks)}) and dst_blocks "
-                                  f"({len(dst_blocks)}) differ in length")
+            raise KVTransferError(
+                f"src_blocks ({len(src_blocks)}) and dst_blocks "
+                f"({len(dst_blocks)}) differ in length"
+            )
         _check_block_ids("src_blocks", src_blocks, local["num_blocks"])
         if "num_blocks" not in peer:
             raise KVTransferError("peer descriptor lacks the field 'num_blocks'")
@@ -124,6 +138,7 @@ class KVConnector(ABC):
 
     def close(self) -> None:
         """Release what ``register`` and the constructor acquired; safe to call twice."""
+        return None  # nothing held by default
 
 
 class LocalKVConnector(KVConnector):
@@ -155,7 +170,7 @@ class LocalKVConnector(KVConnector):
             raise KVTransferError(f"no local KV connector named {peer.get('name')!r}")
         for src_cache, dst_cache in zip(self.caches, peer_caches, strict=True):
             for src, dst, length in runs:
-                dst_cache[:, dst:dst + length].copy_(src_cache[:, src:src + length])
+                dst_cache[:, dst : dst + length].copy_(src_cache[:, src : src + length])
 
     def close(self) -> None:
         """Withdraw this connector's caches from the registry."""
@@ -183,5 +198,6 @@ def make_kv_connector(kind: str, **options) -> KVConnector:
         from tandem.disagg.nccl_connector import NcclKVConnector
 
         return NcclKVConnector(**options)
-    raise ValueError(f"kind: unknown KV connector {kind!r} "
-                     "(expected 'mooncake', 'nccl', 'cuda_ipc' or 'local')")
+    raise ValueError(
+        f"kind: unknown KV connector {kind!r} (expected 'mooncake', 'nccl', 'cuda_ipc' or 'local')"
+    )

@@ -48,7 +48,8 @@ def _import_mooncake_engine():
         raise ImportError(
             "the Mooncake KV connector needs the 'pd' extra: pip install 'tandem[pd]' "
             "(mooncake-transfer-engine-non-cuda, Linux x86_64) and the system libraries "
-            f"libibverbs1 and libnuma1; importing it failed with: {error}") from error
+            f"libibverbs1 and libnuma1; importing it failed with: {error}"
+        ) from error
     return mooncake.engine
 
 
@@ -62,8 +63,13 @@ class MooncakeKVConnector(KVConnector):
 
     kind = "mooncake"
 
-    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp",
-                 device_name: str = "", timeout_s: float = 30.0):
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        timeout_s: float = 30.0,
+    ):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol: expected one of {PROTOCOLS}, got {protocol!r}")
         if timeout_s <= 0:
@@ -77,9 +83,11 @@ class MooncakeKVConnector(KVConnector):
             self.engine = engine_module.TransferEngine()
         result = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if result != 0:
-            raise KVTransferError(f"Mooncake TransferEngine.initialize({hostname!r}, "
-                                  f"'P2PHANDSHAKE', {protocol!r}, {device_name!r}) failed "
-                                  f"with {result}")
+            raise KVTransferError(
+                f"Mooncake TransferEngine.initialize({hostname!r}, "
+                f"'P2PHANDSHAKE', {protocol!r}, {device_name!r}) failed "
+                f"with {result}"
+            )
         self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
         self.caches: list[torch.Tensor] = []
         self._registered: list[int] = []
@@ -88,15 +96,18 @@ class MooncakeKVConnector(KVConnector):
         """Register every cache tensor's memory with the engine (replacing earlier caches)."""
         cache_layout(caches)
         if caches[0].is_cuda and not self.supports_cuda:
-            raise KVTransferError("caches: CUDA tensors need a CUDA build of Mooncake; the "
-                                  "installed mooncake-transfer-engine has no CUDA support")
+            raise KVTransferError(
+                "caches: CUDA tensors need a CUDA build of Mooncake; the "
+                "installed mooncake-transfer-engine has no CUDA support"
+            )
         self._unregister()
         addresses = [cache.data_ptr() for cache in caches]
         sizes = [cache.numel() * cache.element_size() for cache in caches]
         result = self.engine.batch_register_memory(addresses, sizes)
         if result != 0:
-            raise KVTransferError(f"Mooncake batch_register_memory of {len(caches)} caches "
-                                  f"failed with {result}")
+            raise KVTransferError(
+                f"Mooncake batch_register_memory of {len(caches)} caches failed with {result}"
+            )
         self.caches = list(caches)
         self._registered = addresses
 
@@ -115,15 +126,18 @@ class MooncakeKVConnector(KVConnector):
     def _write_runs(self, peer: dict, runs: list[tuple[int, int, int]]) -> None:
         for field in ("k_addrs", "v_addrs"):
             if len(peer.get(field, ())) != len(self.caches):
-                raise KVTransferError(f"peer descriptor: {field!r} should hold "
-                                      f"{len(self.caches)} addresses")
+                raise KVTransferError(
+                    f"peer descriptor: {field!r} should hold {len(self.caches)} addresses"
+                )
         if not isinstance(peer.get("session"), str):
             raise KVTransferError("peer descriptor lacks the field 'session'")
         block_bytes = peer["block_bytes"]
         sources, targets, lengths = [], [], []
         for layer, cache in enumerate(self.caches):
-            halves = ((cache[0].data_ptr(), peer["k_addrs"][layer]),
-                      (cache[1].data_ptr(), peer["v_addrs"][layer]))
+            halves = (
+                (cache[0].data_ptr(), peer["k_addrs"][layer]),
+                (cache[1].data_ptr(), peer["v_addrs"][layer]),
+            )
             for local_base, peer_base in halves:
                 for src, dst, length in runs:
                     sources.append(local_base + src * block_bytes)
@@ -138,7 +152,8 @@ class MooncakeKVConnector(KVConnector):
             raise KVTransferError(
                 f"Mooncake write of {sum(lengths)} bytes in {len(lengths)} ranges to "
                 f"{peer['session']} failed with {result} after {time.monotonic() - start:.1f} s "
-                "(peer gone, unreachable or timed out; Mooncake's log says which)")
+                "(peer gone, unreachable or timed out; Mooncake's log says which)"
+            )
 
     def _unregister(self) -> None:
         if self._registered:

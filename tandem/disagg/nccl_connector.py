@@ -52,8 +52,12 @@ _WINDOW = 2  # messages in flight per transfer: gather/scatter overlap the wire
 _GRACE_S = 0.25  # for the worker to report its own (more precise) error at the deadline
 _CLOSE_S = 2.0  # close() waits this long at most for the threads
 _IDLE = timedelta(hours=12)  # a blocking pop on our own store: loops on timeout
-_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0",
-             "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0"}
+_NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
+}
 
 
 @contextlib.contextmanager
@@ -129,8 +133,13 @@ class NcclKVConnector(KVConnector):
 
     kind = "nccl"
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, serve: bool = True,
-                 message_bytes: int = 64 << 20):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        timeout_s: float = 30.0,
+        serve: bool = True,
+        message_bytes: int = 64 << 20,
+    ):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s: expected a positive number, got {timeout_s!r}")
         if message_bytes <= 0:
@@ -160,20 +169,33 @@ class NcclKVConnector(KVConnector):
         layout = cache_layout(caches)
         device = caches[0].device
         if device.type not in ("cpu", "cuda") or any(c.device != device for c in caches):
-            raise KVTransferError(f"caches: expected one CPU or CUDA device, got "
-                                  f"{sorted({str(cache.device) for cache in caches})}")
+            raise KVTransferError(
+                f"caches: expected one CPU or CUDA device, got "
+                f"{sorted({str(cache.device) for cache in caches})}"
+            )
         self.caches = list(caches)
-        self._descriptor = {"kind": self.kind, "device": device.type, "pid": os.getpid(),
-                            "node": socket.gethostname(), **layout}
+        self._descriptor = {
+            "kind": self.kind,
+            "device": device.type,
+            "pid": os.getpid(),
+            "node": socket.gethostname(),
+            **layout,
+        }
         if device.type == "cuda":
             keep_nvlink_multicast_off()
             self._descriptor["gpu"] = gpu_id(device)
         if self.serve:
-            self._server = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                         timeout=timedelta(seconds=self.timeout_s))
+            self._server = dist.TCPStore(
+                self.host,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.timeout_s),
+            )
             self._descriptor.update(host=self.host, port=self._server.port)
-            self._threads.append(threading.Thread(target=self._watch, daemon=True,
-                                                  name="tandem-kv-watch"))
+            self._threads.append(
+                threading.Thread(target=self._watch, daemon=True, name="tandem-kv-watch")
+            )
             self._threads[-1].start()
 
     def descriptor(self) -> dict:
@@ -212,17 +234,25 @@ class NcclKVConnector(KVConnector):
     def _write_runs(self, peer: dict, runs: list[tuple[int, int, int]]) -> None:
         host, port = peer.get("host"), peer.get("port")
         if not isinstance(host, str) or not isinstance(port, int):
-            raise KVTransferError("peer descriptor lacks 'host' and 'port' (a connector built "
-                                  "with serve=False receives nothing)")
+            raise KVTransferError(
+                "peer descriptor lacks 'host' and 'port' (a connector built "
+                "with serve=False receives nothing)"
+            )
         if peer.get("device") != self._descriptor["device"]:
-            raise KVTransferError(f"peer caches are on {peer.get('device')!r}, local ones on "
-                                  f"{self._descriptor['device']!r}")
+            raise KVTransferError(
+                f"peer caches are on {peer.get('device')!r}, local ones on "
+                f"{self._descriptor['device']!r}"
+            )
         if "gpu" in peer and peer["gpu"] == self._descriptor.get("gpu"):
-            raise KVTransferError(f"peer {host}:{port} uses this GPU ({peer['gpu']}): NCCL cannot "
-                                  "join two ranks on one GPU (use the cuda_ipc connector)")
+            raise KVTransferError(
+                f"peer {host}:{port} uses this GPU ({peer['gpu']}): NCCL cannot "
+                "join two ranks on one GPU (use the cuda_ipc connector)"
+            )
         if peer.get("pid") == os.getpid() and peer.get("node") == socket.gethostname():
-            raise KVTransferError(f"peer {host}:{port} is this process: sender and receiver "
-                                  "must be different processes")
+            raise KVTransferError(
+                f"peer {host}:{port} is this process: sender and receiver "
+                "must be different processes"
+            )
         deadline = time.monotonic() + self.timeout_s
         outcome: dict = {}
         done = threading.Event()
@@ -233,8 +263,9 @@ class NcclKVConnector(KVConnector):
             try:
                 self._transfer(pair, runs, deadline)
             except Exception as error:  # noqa: BLE001 (reported to the caller)
-                outcome["error"] = KVTransferError(f"KV write to {pair.name} failed: "
-                                                   f"{_first_line(error)}")
+                outcome["error"] = KVTransferError(
+                    f"KV write to {pair.name} failed: {_first_line(error)}"
+                )
                 done.set()  # the caller hears of it before the pair's (slower) cleanup
                 self._forget(pair)
                 pair.close()
@@ -247,8 +278,10 @@ class NcclKVConnector(KVConnector):
         worker.start()
         if not done.wait(self.timeout_s + _GRACE_S):
             self._forget(pair)
-            raise KVTransferError(f"KV write to {pair.name}: no answer within {self.timeout_s} s "
-                                  "(the receiver is stalled or unreachable)")
+            raise KVTransferError(
+                f"KV write to {pair.name}: no answer within {self.timeout_s} s "
+                "(the receiver is stalled or unreachable)"
+            )
         if "error" in outcome:
             raise outcome["error"]
 
@@ -266,8 +299,9 @@ class NcclKVConnector(KVConnector):
                 raise KVTransferError("the pair broke during an earlier write")
             if pair.group is None:  # join: take a pair index, announce it, build the group
                 # A dead receiver refuses at once; TCPStore would retry past the deadline.
-                socket.create_connection((pair.host, pair.port),
-                                         _seconds_left(deadline).total_seconds()).close()
+                socket.create_connection(
+                    (pair.host, pair.port), _seconds_left(deadline).total_seconds()
+                ).close()
                 pair.store = _client(pair.host, pair.port, _seconds_left(deadline))
                 pair.index = pair.store.add("pairs", 1)
                 pair.store.queue_push("joins", str(pair.index))
@@ -276,14 +310,22 @@ class NcclKVConnector(KVConnector):
             store, index = pair.store, pair.index
             num_blocks = sum(n for _, _, n in runs)
             per_message = self._layers_per_message(num_blocks)
-            store.queue_push(f"req{index}", msgpack.packb(
-                {"runs": [[dst, n] for _, dst, n in runs], "layers_per_message": per_message}))
+            store.queue_push(
+                f"req{index}",
+                msgpack.packb(
+                    {"runs": [[dst, n] for _, dst, n in runs], "layers_per_message": per_message}
+                ),
+            )
             store.set_timeout(_seconds_left(deadline))
             ready = store.queue_pop(f"ready{index}")
             if ready != b"ok":
                 raise KVTransferError(f"the receiver refused the transfer: {ready.decode()}")
-            self._send_layers(pair, [b for start, _, n in runs for b in range(start, start + n)],
-                              per_message, deadline)
+            self._send_layers(
+                pair,
+                [b for start, _, n in runs for b in range(start, start + n)],
+                per_message,
+                deadline,
+            )
             store.set_timeout(_seconds_left(deadline))
             ack = store.queue_pop(f"ack{index}")
             if ack != b"ok":
@@ -299,14 +341,17 @@ class NcclKVConnector(KVConnector):
 
     def _layer_runs(self, per_message: int) -> list[range]:
         """The runs of consecutive layers sent as one message each."""
-        return [range(start, min(start + per_message, len(self.caches)))
-                for start in range(0, len(self.caches), per_message)]
+        return [
+            range(start, min(start + per_message, len(self.caches)))
+            for start in range(0, len(self.caches), per_message)
+        ]
 
     def _staging(self, layers: range, num_blocks: int) -> torch.Tensor:
         """An empty message: ``(layers, 2, num_blocks, block_size, heads, head_dim)``."""
         first = self.caches[0]
-        return torch.empty((len(layers), 2, num_blocks, *first.shape[2:]), dtype=first.dtype,
-                           device=first.device)
+        return torch.empty(
+            (len(layers), 2, num_blocks, *first.shape[2:]), dtype=first.dtype, device=first.device
+        )
 
     def _gather(self, layers: range, index: torch.Tensor) -> torch.Tensor:
         """The blocks ``index`` of ``layers``, as one message."""
@@ -315,8 +360,7 @@ class NcclKVConnector(KVConnector):
             torch.index_select(self.caches[layer], 1, index, out=staging[row])
         return staging
 
-    def _send_layers(self, pair: _Pair, src: list[int], per_message: int,
-                     deadline: float) -> None:
+    def _send_layers(self, pair: _Pair, src: list[int], per_message: int, deadline: float) -> None:
         """Gather and send every layer's ``src`` blocks, ``_WINDOW`` messages in flight."""
         in_flight: deque = deque()
         with self._on_stream(pair.stream):
@@ -346,8 +390,9 @@ class NcclKVConnector(KVConnector):
             store = _client(self.host, self._server.port, _IDLE)
             while (joined := self._pop(store, "joins")) and not self._closed.is_set():
                 index = int(joined)
-                thread = threading.Thread(target=self._receive, args=(index,), daemon=True,
-                                          name=f"tandem-kv-recv{index}")
+                thread = threading.Thread(
+                    target=self._receive, args=(index,), daemon=True, name=f"tandem-kv-recv{index}"
+                )
                 with self._lock:
                     self._receivers[index] = thread
                 thread.start()
@@ -361,8 +406,9 @@ class NcclKVConnector(KVConnector):
         try:
             port = self._server.port
             control = _client(self.host, port, _IDLE)
-            group = self._group(_client(self.host, port, timedelta(seconds=self.timeout_s)),
-                                index, rank=1)
+            group = self._group(
+                _client(self.host, port, timedelta(seconds=self.timeout_s)), index, rank=1
+            )
             stream = self._new_stream()
             while (request := self._pop(control, f"req{index}")) and not self._closed.is_set():
                 deadline = time.monotonic() + self.timeout_s
@@ -391,8 +437,9 @@ class NcclKVConnector(KVConnector):
             with self._lock:
                 self._receivers.pop(index, None)
 
-    def _receive_layers(self, group, stream, dst: list[int], per_message: int,
-                        deadline: float) -> None:
+    def _receive_layers(
+        self, group, stream, dst: list[int], per_message: int, deadline: float
+    ) -> None:
         """Receive every layer's blocks, message by message, and scatter them into ``dst``."""
         in_flight: deque = deque()
 

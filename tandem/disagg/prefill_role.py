@@ -59,8 +59,12 @@ class PrefillRole:
         self.channel = channel
         self.connector = connector
         self._jobs: dict[str, _Job] = {}
-        self.counters = {"pd_kv_transfers": 0, "pd_kv_bytes": 0, "pd_kv_transfer_s": 0.0,
-                         "pd_failures": 0}
+        self.counters = {
+            "pd_kv_transfers": 0,
+            "pd_kv_bytes": 0,
+            "pd_kv_transfer_s": 0.0,
+            "pd_failures": 0,
+        }
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-write")
 
     @property
@@ -92,8 +96,7 @@ class PrefillRole:
             request = self.core.scheduler.requests.get(job.request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
                 job.started = True
-                self.channel.send(job.reply_to, {"type": "started",
-                                                 "request_id": job.request_id})
+                self.channel.send(job.reply_to, {"type": "started", "request_id": job.request_id})
 
     def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
         """Keep the updates of requests run for decode instances (they are not this
@@ -131,8 +134,13 @@ class PrefillRole:
         except (KVTransferError, ValueError, TypeError, KeyError) as e:
             self._reply_failed(reply_to, request_id, f"{type(e).__name__}: {e}")
             return
-        self._jobs[request_id] = _Job(request_id, reply_to, message["kv"],
-                                      list(message["dst_blocks"]), request.num_prompt_tokens)
+        self._jobs[request_id] = _Job(
+            request_id,
+            reply_to,
+            message["kv"],
+            list(message["dst_blocks"]),
+            request.num_prompt_tokens,
+        )
 
     def _submit(self, job: _Job) -> None:
         """The request finished its first token: write its prompt's blocks in the
@@ -167,18 +175,27 @@ class PrefillRole:
             if job.cancelled:  # the decode side holds the blocks until it hears back
                 self._reply_failed(job.reply_to, job.request_id, "cancelled")
             elif error is not None:
-                self._reply_failed(job.reply_to, job.request_id,
-                                   f"KV transfer failed: {type(error).__name__}: {error}")
+                self._reply_failed(
+                    job.reply_to,
+                    job.request_id,
+                    f"KV transfer failed: {type(error).__name__}: {error}",
+                )
             else:
                 self.counters["pd_kv_transfers"] += 1
                 self.counters["pd_kv_bytes"] += job.num_bytes
                 self.counters["pd_kv_transfer_s"] += job.future.result()
-                self.channel.send(job.reply_to, {
-                    "type": "kv_ready", "request_id": job.request_id,
-                    "token_id": job.token_ids[0], "logprobs": job.logprobs[:1],
-                    "prompt_logprobs": job.prompt_logprobs,
-                    "num_cached_tokens": job.num_cached_tokens, "handoff": job.handoff,
-                })
+                self.channel.send(
+                    job.reply_to,
+                    {
+                        "type": "kv_ready",
+                        "request_id": job.request_id,
+                        "token_id": job.token_ids[0],
+                        "logprobs": job.logprobs[:1],
+                        "prompt_logprobs": job.prompt_logprobs,
+                        "num_cached_tokens": job.num_cached_tokens,
+                        "handoff": job.handoff,
+                    },
+                )
             self._drop(job)
 
     def _cancel(self, request_id: str | None) -> None:
@@ -198,5 +215,4 @@ class PrefillRole:
     def _reply_failed(self, reply_to: str, request_id: str, error: str) -> None:
         self.counters["pd_failures"] += 1
         logger.warning("prefill for %s failed: %s", request_id, error)
-        self.channel.send(reply_to, {"type": "kv_failed", "request_id": request_id,
-                                     "error": error})
+        self.channel.send(reply_to, {"type": "kv_failed", "request_id": request_id, "error": error})

@@ -54,10 +54,18 @@ class Instance:
 class RouterState:
     """The instances, their health, the round-robin cursors and the shared HTTP client."""
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], health_interval_s: float,
-                 request_timeout_s: float, transport: httpx.AsyncBaseTransport | None):
-        for field, value in (("health_interval_s", health_interval_s),
-                             ("request_timeout_s", request_timeout_s)):
+    def __init__(
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        health_interval_s: float,
+        request_timeout_s: float,
+        transport: httpx.AsyncBaseTransport | None,
+    ):
+        for field, value in (
+            ("health_interval_s", health_interval_s),
+            ("request_timeout_s", request_timeout_s),
+        ):
             if value <= 0:
                 raise ValueError(f"{field} must be positive, got {value}")
         self.instances: dict[str, list[Instance]] = {}
@@ -69,8 +77,9 @@ class RouterState:
                 raise ValueError(f"{role}_urls: {bad[0]!r} is not an http:// or https:// URL")
             self.instances[role] = [Instance(url.rstrip("/"), role) for url in urls]
         self.health_interval_s = health_interval_s
-        self._timeout = httpx.Timeout(request_timeout_s,
-                                      connect=min(CONNECT_TIMEOUT_S, request_timeout_s))
+        self._timeout = httpx.Timeout(
+            request_timeout_s, connect=min(CONNECT_TIMEOUT_S, request_timeout_s)
+        )
         self._transport = transport
         self._cursor = dict.fromkeys(ROLES, 0)
         self._health_task: asyncio.Task | None = None
@@ -79,8 +88,11 @@ class RouterState:
     async def start(self) -> None:
         """Open the HTTP client, check every instance once, then keep checking in the background."""
         # No connection limit: every streaming request holds one connection for its whole life.
-        self.client = httpx.AsyncClient(transport=self._transport, timeout=self._timeout,
-                                        limits=httpx.Limits(max_connections=None))
+        self.client = httpx.AsyncClient(
+            transport=self._transport,
+            timeout=self._timeout,
+            limits=httpx.Limits(max_connections=None),
+        )
         await self.check_health_once()
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -95,8 +107,11 @@ class RouterState:
 
     def describe(self) -> list[dict]:
         """Every instance as ``{"url", "role", "healthy"}``."""
-        return [{"url": inst.url, "role": inst.role, "healthy": inst.healthy}
-                for role in ROLES for inst in self.instances[role]]
+        return [
+            {"url": inst.url, "role": inst.role, "healthy": inst.healthy}
+            for role in ROLES
+            for inst in self.instances[role]
+        ]
 
     def has_healthy(self, role: str) -> bool:
         """Whether at least one instance of ``role`` is healthy."""
@@ -128,8 +143,13 @@ class RouterState:
     def set_health(self, inst: Instance, healthy: bool, reason: str = "") -> None:
         """Record an instance's health, logging changes."""
         if inst.healthy != healthy:
-            logger.warning("%s instance %s is now %s%s", inst.role, inst.url,
-                           "healthy" if healthy else "unhealthy", f": {reason}" if reason else "")
+            logger.warning(
+                "%s instance %s is now %s%s",
+                inst.role,
+                inst.url,
+                "healthy" if healthy else "unhealthy",
+                f": {reason}" if reason else "",
+            )
         inst.healthy = healthy
 
     async def check_health_once(self) -> None:
@@ -143,8 +163,9 @@ class RouterState:
         except httpx.HTTPError as exc:
             self.set_health(inst, False, f"health check failed: {exc!r}")
             return
-        self.set_health(inst, response.status_code == 200,
-                        f"health check answered {response.status_code}")
+        self.set_health(
+            inst, response.status_code == 200, f"health check answered {response.status_code}"
+        )
 
     async def _health_loop(self) -> None:
         while True:
@@ -154,9 +175,14 @@ class RouterState:
             except Exception:  # the checker must outlive any surprise; the next round may pass
                 logger.exception("health check round failed")
 
-    async def send_to_decode(self, method: str, path: str, *, content: bytes | None = None,
-                             headers: dict[str, str] | None = None
-                             ) -> tuple[Instance, httpx.Response]:
+    async def send_to_decode(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[Instance, httpx.Response]:
         """Send to a healthy decode instance, retrying once on another if it cannot connect.
 
         Returns the instance and its response, whose body is still unread.
@@ -164,8 +190,9 @@ class RouterState:
         tried: tuple[Instance, ...] = ()
         for _ in range(2):  # the first choice, then one retry
             decode = self.pick_or_503("decode", exclude=tried)
-            request = self.client.build_request(method, decode.url + path, content=content,
-                                                headers=headers)
+            request = self.client.build_request(
+                method, decode.url + path, content=content, headers=headers
+            )
             try:
                 return decode, await self.client.send(request, stream=True)
             except CONNECT_ERRORS as exc:
@@ -175,9 +202,11 @@ class RouterState:
                 raise bad_gateway(decode, f"failed before answering: {exc!r}") from exc
         if not self.has_healthy("decode"):
             raise self.unavailable("decode")
-        raise RouterError(502, "decode instances "
-                          f"{', '.join(inst.url for inst in tried)} could not be reached",
-                          "bad_gateway")
+        raise RouterError(
+            502,
+            f"decode instances {', '.join(inst.url for inst in tried)} could not be reached",
+            "bad_gateway",
+        )
 
 
 def bad_gateway(decode: Instance, what: str) -> RouterError:
@@ -250,15 +279,19 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Respon
                 await task
 
 
-def build_router_app(prefill_urls: list[str], decode_urls: list[str], *,
-                     health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
-                     transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def build_router_app(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    *,
+    health_interval_s: float = 2.0,
+    request_timeout_s: float = 600.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
     """A router app over the given instances; its state is ``app.state.router`` (RouterState).
 
     ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
     """
-    state = RouterState(prefill_urls, decode_urls, health_interval_s, request_timeout_s,
-                        transport)
+    state = RouterState(prefill_urls, decode_urls, health_interval_s, request_timeout_s, transport)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -279,14 +312,21 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], *,
         authorization = request.headers.get("authorization")
         return {"authorization": authorization} if authorization else {}
 
-    async def relay(method: str, path: str, headers: dict[str, str], content: bytes | None = None,
-                    stream: bool = False) -> Response:
-        decode, upstream = await state.send_to_decode(method, path, content=content,
-                                                      headers=headers)
+    async def relay(
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        content: bytes | None = None,
+        stream: bool = False,
+    ) -> Response:
+        decode, upstream = await state.send_to_decode(
+            method, path, content=content, headers=headers
+        )
         # An error answer to a streaming request is relayed as plain JSON, not as a stream.
         if stream and upstream.status_code < 400:
-            return StreamingResponse(relay_stream(decode, upstream), upstream.status_code,
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                relay_stream(decode, upstream), upstream.status_code, media_type="text/event-stream"
+            )
         return await relay_body(decode, upstream)
 
     async def forward(path: str, request: Request) -> Response:
@@ -294,13 +334,17 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], *,
         try:
             body = json.loads(raw)
         except ValueError as exc:
-            raise RouterError(400, f"request body is not valid JSON: {exc}",
-                              "invalid_request_error") from exc
+            raise RouterError(
+                400, f"request body is not valid JSON: {exc}", "invalid_request_error"
+            ) from exc
         if not isinstance(body, dict):
             raise RouterError(400, "request body must be a JSON object", "invalid_request_error")
         prefill = state.pick_or_503("prefill")
-        headers = {"content-type": "application/json", PREFILL_URL_HEADER: prefill.url,
-                   **auth_headers(request)}
+        headers = {
+            "content-type": "application/json",
+            PREFILL_URL_HEADER: prefill.url,
+            **auth_headers(request),
+        }
         stream = body.get("stream") is True
         return await unless_disconnected(request, relay("POST", path, headers, raw, stream))
 
@@ -314,8 +358,7 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], *,
 
     @app.get("/v1/models")
     async def models(request: Request):
-        return await unless_disconnected(request,
-                                         relay("GET", "/v1/models", auth_headers(request)))
+        return await unless_disconnected(request, relay("GET", "/v1/models", auth_headers(request)))
 
     @app.get("/health")
     async def health():
@@ -332,8 +375,15 @@ def build_router_app(prefill_urls: list[str], decode_urls: list[str], *,
     return app
 
 
-def run_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int, *,
-               log_level: str = "info", **kw) -> None:
+def run_router(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    host: str,
+    port: int,
+    *,
+    log_level: str = "info",
+    **kw,
+) -> None:
     """Serve the router with uvicorn until interrupted; ``kw`` goes to ``build_router_app``."""
     import uvicorn
 

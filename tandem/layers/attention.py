@@ -109,8 +109,9 @@ def group_by_length(query_lens: list[int], seq_lens: list[int]) -> list[list[int
     for index in order:
         if groups:
             first = groups[-1][0]
-            if (query_lens[index] <= 2 * query_lens[first]
-                    and seq_lens[index] <= 2 * max(seq_lens[first], 64)):
+            if query_lens[index] <= 2 * query_lens[first] and seq_lens[index] <= 2 * max(
+                seq_lens[first], 64
+            ):
                 groups[-1].append(index)
                 continue
         groups.append([index])
@@ -125,15 +126,31 @@ class TorchAttentionBackend(AttentionBackend):
         query_start = query_start_locations(query_lens)
         groups = group_by_length(query_lens, seq_lens)
         padded = [
-            self._group(members, query_lens, seq_lens, block_tables, query_start, block_size,
-                        device, whole_batch=len(groups) == 1 and members == sorted(members))
+            self._group(
+                members,
+                query_lens,
+                seq_lens,
+                block_tables,
+                query_start,
+                block_size,
+                device,
+                whole_batch=len(groups) == 1 and members == sorted(members),
+            )
             for members in groups
         ]
         return AttentionMetadata(slot_mapping, max(query_lens), padded)
 
     @staticmethod
-    def _group(members, query_lens, seq_lens, block_tables, query_start, block_size, device,
-               whole_batch: bool) -> PaddedGroup:
+    def _group(
+        members,
+        query_lens,
+        seq_lens,
+        block_tables,
+        query_start,
+        block_size,
+        device,
+        whole_batch: bool,
+    ) -> PaddedGroup:
         # Built from host ints and copied without a wait (see tandem.transfer).
         q_lens = [query_lens[i] for i in members]
         s_lens = [seq_lens[i] for i in members]
@@ -149,7 +166,9 @@ class TorchAttentionBackend(AttentionBackend):
         if not whole_batch:
             token_rows = to_device(
                 [t for i in members for t in range(query_start[i], query_start[i + 1])],
-                torch.long, device)
+                torch.long,
+                device,
+            )
         # Query row j of a request sits at position seq_len - query_len + j and sees keys
         # up to and including that position.
         starts = torch.tensor([s - q for s, q in zip(s_lens, q_lens, strict=True)])
@@ -175,8 +194,9 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for group in metadata.groups:
             group_q = q.index_select(0, group.token_rows)
-            out.index_copy_(0, group.token_rows, self._attend(group_q, k_cache, v_cache, group,
-                                                              scale))
+            out.index_copy_(
+                0, group.token_rows, self._attend(group_q, k_cache, v_cache, group, scale)
+            )
         return out
 
     @staticmethod

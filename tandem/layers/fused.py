@@ -46,25 +46,40 @@ def rms_norm_reference(x, weight, eps, residual=None):
     return out if residual is None else (out, x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, use_triton: bool | None = None):
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+):
     """``rms_norm_reference`` in one kernel where it applies (see the module docstring)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if not (_kernels_apply(*tensors) if use_triton is None else use_triton) or (
-            residual is not None and residual.dtype != x.dtype):
+        residual is not None and residual.dtype != x.dtype
+    ):
         return rms_norm_reference(x, weight, eps, residual)
     shape = x.shape
     x2 = _rows(x)
     # The reference's dtype: the weight's product with the normalized x (in x's dtype).
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
-                      device=x.device)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = out if residual is None else torch.empty_like(x2)
     res2 = x2 if residual is None else _rows(residual)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight, out, summed,
-            x2.stride(0), res2.stride(0), out.stride(0), summed.stride(0), shape[-1], eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(shape[-1]),
+            x2,
+            res2,
+            weight,
+            out,
+            summed,
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            summed.stride(0),
+            shape[-1],
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(shape[-1]),
         )
     out = out.view(shape)
     return out if residual is None else (out, summed.view(shape))
@@ -92,8 +107,13 @@ def rotary_reference(x, positions, cos, sin):
     return out
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           use_triton: bool | None = None) -> torch.Tensor:
+def rotary(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
     """``rotary_reference`` in one kernel where it applies."""
     if not (_kernels_apply(x, cos) if use_triton is None else use_triton):
         return rotary_reference(x, positions, cos, sin)
@@ -104,48 +124,92 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     if num_tokens:
         half = head_dim // 2
         _rotary_kernel[(num_tokens, num_heads)](
-            x, out, positions, cos, sin,
-            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-            HALF=half, BLOCK=triton.next_power_of_2(half),
+            x,
+            out,
+            positions,
+            cos,
+            sin,
+            x.stride(0),
+            x.stride(1),
+            out.stride(0),
+            out.stride(1),
+            cos.stride(0),
+            HALF=half,
+            BLOCK=triton.next_power_of_2(half),
         )
     return out
 
 
-def rotary_store_kv_reference(qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
-                              num_q_heads):
+def rotary_store_kv_reference(
+    qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads
+):
     """Rotate ``qk`` [T, H_q + H_kv, D] (``rotary_reference``), write the rotated keys and
     ``v`` [T, H_kv, D] into flat slots ``slot_mapping`` of the caches [..., H_kv, D], and
     return the rotated queries [T, H_q, D]."""
     q, k = rotary_reference(qk, positions, cos, sin).split(
-        [num_q_heads, qk.shape[1] - num_q_heads], dim=1)
+        [num_q_heads, qk.shape[1] - num_q_heads], dim=1
+    )
     store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q
 
 
-def rotary_store_kv(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
-                    use_triton: bool | None = None) -> torch.Tensor:
+def rotary_store_kv(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
     """``rotary_store_kv_reference`` in one kernel where it applies: one program per token
     and head; a key head's program also copies that head's value."""
     if not (_kernels_apply(qk, v, cos) if use_triton is None else use_triton):
-        return rotary_store_kv_reference(qk, v, positions, cos, sin, k_cache, v_cache,
-                                         slot_mapping, num_q_heads)
+        return rotary_store_kv_reference(
+            qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads
+        )
     num_tokens, num_heads, head_dim = qk.shape
     num_kv_heads = num_heads - num_q_heads
-    if (qk.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1
-            or cos.stride() != sin.stride() or not k_cache.is_contiguous()
-            or not v_cache.is_contiguous() or k_cache.shape[-2:] != (num_kv_heads, head_dim)):
-        raise ValueError("rotary_store_kv needs x, v, cos and sin contiguous in their last "
-                         "dimension and caches [..., H_kv, D] contiguous")
+    if (
+        qk.stride(-1) != 1
+        or v.stride(-1) != 1
+        or cos.stride(-1) != 1
+        or cos.stride() != sin.stride()
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+        or k_cache.shape[-2:] != (num_kv_heads, head_dim)
+    ):
+        raise ValueError(
+            "rotary_store_kv needs x, v, cos and sin contiguous in their last "
+            "dimension and caches [..., H_kv, D] contiguous"
+        )
     q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
     if num_tokens:
         half = head_dim // 2
         _rotary_store_kv_kernel[(num_tokens, num_heads)](
-            qk, v, q, k_cache, v_cache, positions, slot_mapping, cos, sin,
-            qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), q.stride(0), q.stride(1),
-            cos.stride(0), num_q_heads,
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+            qk,
+            v,
+            q,
+            k_cache,
+            v_cache,
+            positions,
+            slot_mapping,
+            cos,
+            sin,
+            qk.stride(0),
+            qk.stride(1),
+            v.stride(0),
+            v.stride(1),
+            q.stride(0),
+            q.stride(1),
+            cos.stride(0),
+            num_q_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            HALF=half,
             BLOCK=triton.next_power_of_2(half),
         )
     return q
@@ -165,23 +229,38 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool | None = Non
     if not (_kernels_apply(gate, up) if use_triton is None else use_triton):
         return silu_mul_reference(gate, up)
     n_cols = gate.shape[-1]
-    gate2, up2 = (t.reshape(-1, n_cols) if t.stride(-1) == 1 else t.contiguous().view(-1, n_cols)
-                  for t in (gate, up))
+    gate2, up2 = (
+        t.reshape(-1, n_cols) if t.stride(-1) == 1 else t.contiguous().view(-1, n_cols)
+        for t in (gate, up)
+    )
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     rows = gate2.shape[0]
     if rows and n_cols:
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(n_cols, block))](
-            gate2, up2, out, n_cols, gate2.stride(0), up2.stride(0), n_cols, BLOCK=block)
+            gate2, up2, out, n_cols, gate2.stride(0), up2.stride(0), n_cols, BLOCK=block
+        )
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-                         stride_x, stride_r, stride_o, stride_s, n_cols, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        sum_ptr,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_s,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -198,8 +277,19 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotate(x_ptr, pos_ptr, cos_ptr, sin_ptr, token, head, stride_xt, stride_xh, stride_c,
-                HALF: tl.constexpr, BLOCK: tl.constexpr):
+    def _rotate(
+        x_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        token,
+        head,
+        stride_xt,
+        stride_xh,
+        stride_c,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """Both halves of one head of one token, rotated, rounded to x's dtype (as the
         reference rounds), with the lane offsets and mask."""
         d = tl.arange(0, BLOCK)
@@ -215,28 +305,78 @@ if triton is not None:
         return out1, out2, d, mask
 
     @triton.jit
-    def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                       stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
-                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+    def _rotary_kernel(
+        x_ptr,
+        out_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_xt,
+        stride_xh,
+        stride_ot,
+        stride_oh,
+        stride_c,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        out1, out2, d, mask = _rotate(x_ptr, pos_ptr, cos_ptr, sin_ptr, token, head,
-                                      stride_xt, stride_xh, stride_c, HALF, BLOCK)
+        out1, out2, d, mask = _rotate(
+            x_ptr,
+            pos_ptr,
+            cos_ptr,
+            sin_ptr,
+            token,
+            head,
+            stride_xt,
+            stride_xh,
+            stride_c,
+            HALF,
+            BLOCK,
+        )
         out = out_ptr + token * stride_ot + head * stride_oh
         tl.store(out + d, out1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF + d, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_store_kv_kernel(x_ptr, v_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
-                                slot_ptr, cos_ptr, sin_ptr,
-                                stride_xt, stride_xh, stride_vt, stride_vh, stride_qt,
-                                stride_qh, stride_c, num_q_heads,
-                                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                HALF: tl.constexpr, BLOCK: tl.constexpr):
+    def _rotary_store_kv_kernel(
+        x_ptr,
+        v_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        pos_ptr,
+        slot_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_xt,
+        stride_xh,
+        stride_vt,
+        stride_vh,
+        stride_qt,
+        stride_qh,
+        stride_c,
+        num_q_heads,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        out1, out2, d, mask = _rotate(x_ptr, pos_ptr, cos_ptr, sin_ptr, token, head,
-                                      stride_xt, stride_xh, stride_c, HALF, BLOCK)
+        out1, out2, d, mask = _rotate(
+            x_ptr,
+            pos_ptr,
+            cos_ptr,
+            sin_ptr,
+            token,
+            head,
+            stride_xt,
+            stride_xh,
+            stride_c,
+            HALF,
+            BLOCK,
+        )
         if head < num_q_heads:
             out = q_ptr + token * stride_qt + head * stride_qh
             tl.store(out + d, out1, mask=mask)
@@ -246,19 +386,20 @@ if triton is not None:
             slot = tl.load(slot_ptr + token).to(tl.int64)
             dst = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
             tl.store(k_cache_ptr + dst + d, out1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_cache_ptr + dst + HALF + d, out2.to(k_cache_ptr.dtype.element_ty),
-                     mask=mask)
+            tl.store(k_cache_ptr + dst + HALF + d, out2.to(k_cache_ptr.dtype.element_ty), mask=mask)
             src = v_ptr + token * stride_vt + kv_head * stride_vh
             for start in tl.static_range(0, HEAD_DIM, BLOCK):
                 cols = start + d
                 keep = cols < HEAD_DIM
                 value = tl.load(src + cols, mask=keep, other=0.0)
-                tl.store(v_cache_ptr + dst + cols, value.to(v_cache_ptr.dtype.element_ty),
-                         mask=keep)
+                tl.store(
+                    v_cache_ptr + dst + cols, value.to(v_cache_ptr.dtype.element_ty), mask=keep
+                )
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o,
-                         BLOCK: tl.constexpr):
+    def _silu_mul_kernel(
+        gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols

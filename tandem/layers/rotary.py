@@ -44,10 +44,18 @@ class RotaryEmbedding(torch.nn.Module):
         """Rotate x [T, H, D] (queries and keys of any number of heads) by positions [T]."""
         return rotary(x, positions, self.cos, self.sin)
 
-    def rotate_and_store(self, positions: torch.Tensor, qk: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_q_heads: int,
+    ) -> torch.Tensor:
         """Rotate queries and keys (``qk`` [T, H_q + H_kv, D]), write the rotated keys and
         ``v`` into their cache slots, and return the rotated queries [T, H_q, D]."""
-        return rotary_store_kv(qk, v, positions, self.cos, self.sin, k_cache, v_cache,
-                               slot_mapping, num_q_heads)
+        return rotary_store_kv(
+            qk, v, positions, self.cos, self.sin, k_cache, v_cache, slot_mapping, num_q_heads
+        )

@@ -48,7 +48,8 @@ class SamplingBatch:
         return cls(
             temperature=to_device(
                 [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                torch.float32, device,
+                torch.float32,
+                device,
             ),
             greedy=to_device(greedy, torch.bool, device),
             top_k=to_device(top_k, torch.long, device) if uses(top_k, vocab_size) else None,
@@ -59,8 +60,9 @@ class SamplingBatch:
         )
 
 
-def apply_filters(logits: torch.Tensor, batch: SamplingBatch,
-                  use_triton: bool | None = None) -> torch.Tensor:
+def apply_filters(
+    logits: torch.Tensor, batch: SamplingBatch, use_triton: bool | None = None
+) -> torch.Tensor:
     """The distribution each row samples from, in fp32: ``p = softmax(logits / T)``, then
     the tokens that every active filter keeps, renormalized. Each filter keeps the tokens
     with ``p >= t`` for a per-row threshold t, so the result does not depend on the order

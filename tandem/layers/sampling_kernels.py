@@ -35,9 +35,12 @@ BLOCK = 512  # probabilities per block of a pass: BLOCK x PIVOTS compares (no re
 _MIN_ROWS = 256  # fewer rows than this: the sort is faster (filter_threshold's docstring)
 
 
-def filter_threshold_reference(probs: torch.Tensor, top_k: torch.Tensor | None,
-                               top_p: torch.Tensor | None,
-                               min_p: torch.Tensor | None) -> torch.Tensor:
+def filter_threshold_reference(
+    probs: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
     """Per row of ``probs`` [N, V] (fp32, the tempered softmax) the threshold [N] of the
     kept set ``probs >= threshold``, by sorting: top-k's k-th largest probability (0 where
     ``top_k >= V``), top-p's largest t whose mass of ``{p >= t}`` within the top-k set
@@ -66,9 +69,13 @@ def filter_threshold_reference(probs: torch.Tensor, top_k: torch.Tensor | None,
     return threshold
 
 
-def filter_threshold(probs: torch.Tensor, top_k: torch.Tensor | None,
-                     top_p: torch.Tensor | None, min_p: torch.Tensor | None,
-                     use_triton: bool | None = None) -> torch.Tensor:
+def filter_threshold(
+    probs: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
     """``filter_threshold_reference`` by one program per row where that pays, or always
     with ``use_triton=True``. Measured on the H200 at the 128,256-token vocabulary
     (``scripts/kernel_sweep.py``, benchmarks/results/kernel-sweep-sampling-*.json): with
@@ -77,8 +84,12 @@ def filter_threshold(probs: torch.Tensor, top_k: torch.Tensor | None,
     filters together need two searches (4.71 ms against 3.35 at 256 rows). So by default
     the kernel runs on CUDA for 256 rows or more with one of the two."""
     if use_triton is None:
-        use_triton = (triton is not None and probs.is_cuda and probs.shape[0] >= _MIN_ROWS
-                      and (top_k is None or top_p is None))
+        use_triton = (
+            triton is not None
+            and probs.is_cuda
+            and probs.shape[0] >= _MIN_ROWS
+            and (top_k is None or top_p is None)
+        )
     if not use_triton:
         return filter_threshold_reference(probs, top_k, top_p, min_p)
     if probs.dtype != torch.float32 or probs.stride(-1) != 1:
@@ -87,11 +98,18 @@ def filter_threshold(probs: torch.Tensor, top_k: torch.Tensor | None,
     threshold = torch.empty(num_rows, dtype=torch.float32, device=probs.device)
     if num_rows:
         _threshold_kernel[(num_rows,)](
-            probs, threshold, probs.stride(0), vocab,
-            top_k if top_k is not None else probs, top_p if top_p is not None else probs,
+            probs,
+            threshold,
+            probs.stride(0),
+            vocab,
+            top_k if top_k is not None else probs,
+            top_p if top_p is not None else probs,
             min_p if min_p is not None else probs,
-            HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-            HAS_MIN_P=min_p is not None, BLOCK=BLOCK, PIVOTS=PIVOTS,
+            HAS_TOP_K=top_k is not None,
+            HAS_TOP_P=top_p is not None,
+            HAS_MIN_P=min_p is not None,
+            BLOCK=BLOCK,
+            PIVOTS=PIVOTS,
         )
     return threshold
 
@@ -109,8 +127,9 @@ if triton is not None:
         return tl.max(largest, axis=0)
 
     @triton.jit
-    def _tally(row_ptr, n_cols, candidates, MASS: tl.constexpr, BLOCK: tl.constexpr,
-               PIVOTS: tl.constexpr):
+    def _tally(
+        row_ptr, n_cols, candidates, MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr
+    ):
         """Per candidate (fp32 bit patterns [PIVOTS]): how many probabilities of the row are
         >= it, or with MASS their sum."""
         offsets = tl.arange(0, BLOCK)
@@ -127,8 +146,9 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _search(row_ptr, n_cols, lo, hi, goal, MASS: tl.constexpr, BLOCK: tl.constexpr,
-                PIVOTS: tl.constexpr):
+    def _search(
+        row_ptr, n_cols, lo, hi, goal, MASS: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr
+    ):
         """The largest bit pattern t in [lo, hi) whose tally meets ``goal``, given that lo's
         does and hi's does not (the tally only falls as t grows)."""
         pivots = tl.arange(0, PIVOTS)
@@ -141,10 +161,20 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _threshold_kernel(probs_ptr, out_ptr, stride, n_cols, top_k_ptr, top_p_ptr, min_p_ptr,
-                          HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-                          HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
-                          PIVOTS: tl.constexpr):
+    def _threshold_kernel(
+        probs_ptr,
+        out_ptr,
+        stride,
+        n_cols,
+        top_k_ptr,
+        top_p_ptr,
+        min_p_ptr,
+        HAS_TOP_K: tl.constexpr,
+        HAS_TOP_P: tl.constexpr,
+        HAS_MIN_P: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PIVOTS: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = probs_ptr + row * stride
         p_max = _row_max(row_ptr, n_cols, BLOCK)
@@ -154,15 +184,25 @@ if triton is not None:
         if HAS_TOP_K:
             k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), n_cols)
             if k < n_cols:
-                threshold = _search(row_ptr, n_cols, threshold, hi, k.to(tl.float32), False,
-                                    BLOCK, PIVOTS)
+                threshold = _search(
+                    row_ptr, n_cols, threshold, hi, k.to(tl.float32), False, BLOCK, PIVOTS
+                )
         if HAS_TOP_P:
             top_p = tl.load(top_p_ptr + row)
             if top_p < 1.0:
-                kept = _tally(row_ptr, n_cols, threshold + tl.zeros([PIVOTS], tl.int32), True,
-                              BLOCK, PIVOTS)
-                threshold = _search(row_ptr, n_cols, threshold, hi, top_p * tl.max(kept, axis=0),
-                                    True, BLOCK, PIVOTS)
+                kept = _tally(
+                    row_ptr, n_cols, threshold + tl.zeros([PIVOTS], tl.int32), True, BLOCK, PIVOTS
+                )
+                threshold = _search(
+                    row_ptr,
+                    n_cols,
+                    threshold,
+                    hi,
+                    top_p * tl.max(kept, axis=0),
+                    True,
+                    BLOCK,
+                    PIVOTS,
+                )
         if HAS_MIN_P:
             min_p_threshold = tl.load(min_p_ptr + row) * p_max
             threshold = tl.maximum(threshold, min_p_threshold.to(tl.int32, bitcast=True))

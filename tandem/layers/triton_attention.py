@@ -96,15 +96,32 @@ if triton is not None:
     # unspecialized, so a new value never compiles a new variant in the middle of a run.
     @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
     def _paged_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        scale_log2, num_seqs,
-        stride_qt, stride_qh, stride_qd,
-        stride_ot, stride_oh, stride_od,
-        stride_kb, stride_ks, stride_kh, stride_kd,
-        stride_vb, stride_vs, stride_vh, stride_vd,
+        out_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        query_start_loc_ptr,
+        seq_lens_ptr,
+        scale_log2,
+        num_seqs,
+        stride_qt,
+        stride_qh,
+        stride_qd,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_kd,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_vd,
         stride_bt,
-        part_out_ptr, part_ml_ptr,
+        part_out_ptr,
+        part_ml_ptr,
         GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -147,7 +164,9 @@ if triton is not None:
         d_ok = offs_d < HEAD_DIM
 
         q = tl.load(
-            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+            q_ptr
+            + token[:, None] * stride_qt
+            + head[:, None] * stride_qh
             + offs_d[None, :] * stride_qd,
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
@@ -171,12 +190,17 @@ if triton is not None:
             block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
             slot = key_pos % BLOCK_SIZE
             # Keys loaded as rows (each key's head_dim contiguous), then transposed.
-            k = tl.trans(tl.load(
-                k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
-                + kv_head * stride_kh + offs_d[None, :] * stride_kd,
-                mask=key_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            ))
+            k = tl.trans(
+                tl.load(
+                    k_cache_ptr
+                    + block[:, None] * stride_kb
+                    + slot[:, None] * stride_ks
+                    + kv_head * stride_kh
+                    + offs_d[None, :] * stride_kd,
+                    mask=key_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+            )
             scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
             visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
@@ -186,28 +210,38 @@ if triton is not None:
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
-                v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+                v_cache_ptr
+                + block[:, None] * stride_vb
+                + slot[:, None] * stride_vs
+                + kv_head * stride_vh
+                + offs_d[None, :] * stride_vd,
                 mask=key_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+            )
             m_i = m_new
 
         if NUM_SPLITS > 1:
             # Partials [T, H_q, NUM_SPLITS, HEAD_DIM_PAD] and [T, H_q, NUM_SPLITS, 2] (fp32).
             part_row = (token * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
-            tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
-                     mask=row_ok[:, None])
+            tl.store(
+                part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                acc,
+                mask=row_ok[:, None],
+            )
             # A row that saw no key here stores max -inf (its loop left 0 in m_i).
-            tl.store(part_ml_ptr + part_row * 2, tl.where(l_i > 0.0, m_i, float("-inf")),
-                     mask=row_ok)
+            tl.store(
+                part_ml_ptr + part_row * 2, tl.where(l_i > 0.0, m_i, float("-inf")), mask=row_ok
+            )
             tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
             return
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
-            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+            out_ptr
+            + token[:, None] * stride_ot
+            + head[:, None] * stride_oh
             + offs_d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
@@ -217,9 +251,18 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _combine_splits_kernel(out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh,
-                               stride_od, num_heads, NUM_SPLITS: tl.constexpr,
-                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    def _combine_splits_kernel(
+        out_ptr,
+        part_out_ptr,
+        part_ml_ptr,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        num_heads,
+        NUM_SPLITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+    ):
         """One (query row, head): the splits' partial outputs weighted by exp2(m - max)."""
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -233,8 +276,11 @@ if triton is not None:
         total = tl.sum(weight * lsum, 0)
         acc = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
         out = tl.sum(acc * weight[:, None], 0) / total
-        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        tl.store(
+            out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=offs_d < HEAD_DIM,
+        )
 
 
 # Split a small batch's keys over more programs until about this many run (the H200 has
@@ -293,11 +339,20 @@ def paged_attention(
         return out
     group = num_heads // num_kv_heads
     short_q = max(1, 16 // group)  # query rows of one request that fit a 16-row tile
-    args = (out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, group,
-            short_q)
+    args = (
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        group,
+        short_q,
+    )
     if max_query_len <= short_q:
-        splits = (num_kv_splits(num_seqs, num_kv_heads, 16) if num_splits is None
-                  else num_splits)
+        splits = num_kv_splits(num_seqs, num_kv_heads, 16) if num_splits is None else num_splits
         _launch(*args, block_m=16, rows=0, splits=splits, tuning=tuning)
     elif min_query_len is not None and min_query_len <= short_q:
         _launch(*args, block_m=16, rows=1, splits=1, tuning=tuning)  # decode, verification
@@ -307,15 +362,30 @@ def paged_attention(
     return out
 
 
-def _launch(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, group,
-            short_q, block_m: int, rows: int, splits: int, tuning: dict | None = None) -> None:
+def _launch(
+    out,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    group,
+    short_q,
+    block_m: int,
+    rows: int,
+    splits: int,
+    tuning: dict | None = None,
+) -> None:
     """One launch of the attention kernel (plus the combination of its splits).
     ``tuning`` overrides launch choices (block_n, num_warps, num_stages) for measurements
     of variants."""
     # Chosen by timing variants on the H200 (scripts/kernel_sweep.py, bf16, 8B shape):
     # decode tiles 2-6% faster with 2 stages, prefill tiles 13% faster with 32-key tiles.
-    defaults = ({"block_n": 64, "num_stages": 2} if block_m == 16
-                else {"block_n": 32, "num_stages": 3})
+    defaults = (
+        {"block_n": 64, "num_stages": 2} if block_m == 16 else {"block_n": 32, "num_stages": 3}
+    )
     tuning = {**defaults, "num_warps": 4, **(tuning or {})}
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -327,18 +397,30 @@ def _launch(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     part_out = part_ml = out  # unused without splits
     if splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, splits, head_dim_pad),
-                               dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32,
-                              device=q.device)
+        part_out = torch.empty(
+            (num_tokens, num_heads, splits, head_dim_pad), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(
+            (num_tokens, num_heads, splits, 2), dtype=torch.float32, device=q.device
+        )
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache,
-        block_tables, query_start_loc, seq_lens,
-        scale * _LOG2_E, num_seqs,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * _LOG2_E,
+        num_seqs,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
         block_tables.stride(0),
-        part_out, part_ml,
+        part_out,
+        part_ml,
         GROUP=group,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -355,12 +437,20 @@ def _launch(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_ml, *out.stride(), num_heads,
-            NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
+            out,
+            part_out,
+            part_ml,
+            *out.stride(),
+            num_heads,
+            NUM_SPLITS=splits,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+        )
 
 
-def block_table_array(block_tables: list[list[int]], width: int, num_rows: int | None = None,
-                      pad_block: int = 0) -> np.ndarray:
+def block_table_array(
+    block_tables: list[list[int]], width: int, num_rows: int | None = None, pad_block: int = 0
+) -> np.ndarray:
     """The rows' block tables as one int32 array of ``num_rows`` (default: as many as
     given) rows of ``width`` columns, cut to the width; every entry no row fills (the
     columns past a row's blocks, the rows past the given ones) is ``pad_block``. Filled row
@@ -386,8 +476,9 @@ class TritonAttentionMetadata(AttentionMetadata):
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention by one Triton kernel launch per layer (see the module docstring)."""
 
-    def build_metadata(self, query_lens, seq_lens, block_tables, slot_mapping, block_size,
-                       device) -> TritonAttentionMetadata:
+    def build_metadata(
+        self, query_lens, seq_lens, block_tables, slot_mapping, block_size, device
+    ) -> TritonAttentionMetadata:
         """Host lists to device tensors, copied once per step without a wait."""
         query_start = query_start_locations(query_lens)
         table = block_table_array(block_tables, -(-max(seq_lens) // block_size))
@@ -405,7 +496,9 @@ class TritonAttentionBackend(AttentionBackend):
     def attend_cached(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale):
         """The kernel over the whole ragged batch; the cache holds the step's keys."""
         return paged_attention(
-            q, k_cache, v_cache,
+            q,
+            k_cache,
+            v_cache,
             metadata.block_tables,
             metadata.query_start_loc_device,
             metadata.seq_lens_device,

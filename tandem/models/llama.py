@@ -58,8 +58,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # Queries and keys rotate in one call: they are adjacent in the fused projection.
         if backend.attends_cache:  # the rotation also stores the keys and values
-            q = self.rotary.rotate_and_store(positions, qk, v, kv_cache[0], kv_cache[1],
-                                             metadata.slot_mapping, self.num_heads)
+            q = self.rotary.rotate_and_store(
+                positions, qk, v, kv_cache[0], kv_cache[1], metadata.slot_mapping, self.num_heads
+            )
             out = backend.attend_cached(q, kv_cache[0], kv_cache[1], metadata, self.scale)
         else:
             q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
@@ -83,8 +84,13 @@ class MLP(nn.Module):
         """Replace ``gate_proj`` and ``up_proj`` by one ``gate_up_proj`` (rows: gate, then up).
         Apply after loading and tensor-parallel sharding; the weights are not trained after."""
         gate, up = self.gate_proj, self.up_proj
-        fused = nn.Linear(gate.in_features, gate.out_features + up.out_features, bias=False,
-                          device=gate.weight.device, dtype=gate.weight.dtype)
+        fused = nn.Linear(
+            gate.in_features,
+            gate.out_features + up.out_features,
+            bias=False,
+            device=gate.weight.device,
+            dtype=gate.weight.dtype,
+        )
         with torch.no_grad():
             fused.weight.copy_(torch.cat([gate.weight, up.weight]))
         self.gate_up_proj = fused.requires_grad_(False)
@@ -161,9 +167,11 @@ class LlamaModel(nn.Module):
         def renamed():
             for hf_name, tensor in weights:
                 name = hf_name.removeprefix("model.")
-                if "rotary_emb" in name or (
-                    name == "lm_head.weight" and self.arch.tie_word_embeddings
-                ) or self._is_mtp_weight(name):
+                if (
+                    "rotary_emb" in name
+                    or (name == "lm_head.weight" and self.arch.tie_word_embeddings)
+                    or self._is_mtp_weight(name)
+                ):
                     continue
                 yield name, tensor
 
@@ -202,8 +210,9 @@ def load_fused_weights(
         if shard is not None:
             param = param.narrow(0, *qkv_slices[shard])
         if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(tensor)
         loaded.add(name)

@@ -140,7 +140,11 @@ def _gguf_field(reader, key: str, default=None):
 
 def _gguf_arch_config(reader) -> ModelArchConfig:
     arch = _gguf_field(reader, "general.architecture")
-    families = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    families = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
     if arch not in families:
         raise ValueError(f"GGUF architecture {arch!r} is not supported ({sorted(families)})")
 

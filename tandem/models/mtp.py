@@ -115,7 +115,7 @@ def rename_mimo(name: str) -> str | None:
     index, rest = match.groups()
     for old, new in _MIMO_NAMES.items():
         if rest.startswith(old + "."):
-            return f"layers.{index}.{new}{rest[len(old):]}"
+            return f"layers.{index}.{new}{rest[len(old) :]}"
     return f"layers.{index}.{_block_name(rest)}"
 
 
@@ -127,10 +127,14 @@ def rename_deepseek(name: str, num_hidden_layers: int) -> str | None:
     index, rest = int(match.group(1)) - num_hidden_layers, match.group(2)
     if rest.startswith(("embed_tokens.", "shared_head.head.")):
         return None  # shared with the target
-    for old, new in {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
-                     **_DEEPSEEK_NAMES}.items():
+    for old, new in {
+        "enorm": "enorm",
+        "hnorm": "hnorm",
+        "eh_proj": "eh_proj",
+        **_DEEPSEEK_NAMES,
+    }.items():
         if rest.startswith(old + "."):
-            return f"layers.{index}.{new}{rest[len(old):]}"
+            return f"layers.{index}.{new}{rest[len(old) :]}"
     return f"layers.{index}.{_block_name(rest)}"
 
 
@@ -163,16 +167,25 @@ def _read_head_config(directory: str) -> dict:
     return config
 
 
-def save_head(head: MTPHead, directory: str, base_model: str, extra: dict | None = None,
-              dtype: torch.dtype = torch.float32) -> None:
+def save_head(
+    head: MTPHead,
+    directory: str,
+    base_model: str,
+    extra: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Write a Tandem head directory (safetensors in ``dtype`` + a small JSON config)."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     weights = {name: t.to(dtype).contiguous() for name, t in head.export_weights().items()}
     save_file(weights, os.path.join(directory, HEAD_WEIGHTS_FILE))
-    config = {"num_layers": head.num_layers, "base_model": base_model,
-              "hidden_size": head.arch.hidden_size, **(extra or {})}
+    config = {
+        "num_layers": head.num_layers,
+        "base_model": base_model,
+        "hidden_size": head.arch.hidden_size,
+        **(extra or {}),
+    }
     with open(os.path.join(directory, HEAD_CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -232,8 +245,7 @@ def load_mtp_head(source: str | None, files, rotary, seed: int = 0) -> MTPHead:
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
                 else:
-                    param.copy_(torch.empty(param.shape).uniform_(-0.05, 0.05,
-                                                                  generator=generator))
+                    param.copy_(torch.empty(param.shape).uniform_(-0.05, 0.05, generator=generator))
         return head
     if source is None:
         layout = _checkpoint_layout(files)

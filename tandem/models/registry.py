@@ -73,7 +73,6 @@ class ModelArchConfig:
             rope_scaling=_rope_scaling(rope_scaling),
         )
 
-
     def to_hf_config(self) -> dict:
         """A Hugging Face config.json dict of this shape (``from_hf_config``'s inverse)."""
         config = {
@@ -123,11 +122,31 @@ DUMMY_PRESETS: dict[str, ModelArchConfig] = {
         "LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, 100000.0, 1e-5, 8192, True
     ),
     "llama3-8b": ModelArchConfig(
-        "LlamaForCausalLM", 128256, 4096, 14336, 32, 32, 8, 128, 500000.0, 1e-5, 8192,
+        "LlamaForCausalLM",
+        128256,
+        4096,
+        14336,
+        32,
+        32,
+        8,
+        128,
+        500000.0,
+        1e-5,
+        8192,
         rope_scaling=_LLAMA3_SCALING,
     ),
     "qwen3-8b": ModelArchConfig(
-        "Qwen3ForCausalLM", 151936, 4096, 12288, 36, 32, 8, 128, 1000000.0, 1e-6, 40960,
+        "Qwen3ForCausalLM",
+        151936,
+        4096,
+        12288,
+        36,
+        32,
+        8,
+        128,
+        1000000.0,
+        1e-6,
+        40960,
         qk_norm=True,
     ),
     # A tiny shape for tests and quick checks.

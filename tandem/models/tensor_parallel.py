@@ -35,25 +35,35 @@ from tandem.models.registry import ModelArchConfig
 def validate_tensor_parallel(arch: ModelArchConfig, world_size: int, model_name: str) -> None:
     """Raise ValueError unless ``arch``'s heads and MLP split evenly over ``world_size``."""
     if arch.num_kv_heads % world_size:
-        raise ValueError(f"model {model_name!r} has {arch.num_kv_heads} KV heads, which do not "
-                         f"divide by tensor_parallel_size {world_size}")
+        raise ValueError(
+            f"model {model_name!r} has {arch.num_kv_heads} KV heads, which do not "
+            f"divide by tensor_parallel_size {world_size}"
+        )
     if arch.intermediate_size % world_size:
-        raise ValueError(f"model {model_name!r} has intermediate size {arch.intermediate_size}, "
-                         f"which does not divide by tensor_parallel_size {world_size}")
+        raise ValueError(
+            f"model {model_name!r} has intermediate size {arch.intermediate_size}, "
+            f"which does not divide by tensor_parallel_size {world_size}"
+        )
 
 
 def rank_arch(arch: ModelArchConfig, world_size: int) -> ModelArchConfig:
     """The shapes of one rank's modules: heads and intermediate size divided by
     ``world_size``. ``vocab_size`` stays whole: the sharded lm head returns full logits."""
-    return replace(arch, num_heads=arch.num_heads // world_size,
-                   num_kv_heads=arch.num_kv_heads // world_size,
-                   intermediate_size=arch.intermediate_size // world_size)
+    return replace(
+        arch,
+        num_heads=arch.num_heads // world_size,
+        num_kv_heads=arch.num_kv_heads // world_size,
+        intermediate_size=arch.intermediate_size // world_size,
+    )
 
 
 # NVLink multicast (NVLS) can put a shared host's GPUs out of service: NCCL, PyTorch's
 # symmetric memory and NVSHMEM must not use it unless the operator says otherwise.
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def keep_nvlink_multicast_off() -> None:
@@ -81,8 +91,10 @@ def check_rank_devices(device: str, world_size: int) -> None:
     """Raise ValueError for a device index with ``world_size`` > 1 ranks started for the
     caller (``tandem serve``): rank r runs on cuda:r."""
     if world_size > 1 and device.startswith("cuda:"):
-        raise ValueError(f"device {device!r} with tensor_parallel_size {world_size}: give "
-                         "plain 'cuda' (rank r runs on cuda:r)")
+        raise ValueError(
+            f"device {device!r} with tensor_parallel_size {world_size}: give "
+            "plain 'cuda' (rank r runs on cuda:r)"
+        )
 
 
 def join_torchrun_group(device: str, tensor_parallel_size: int) -> tuple[str, int]:
@@ -103,11 +115,13 @@ def check_process_group(rank: int, world_size: int) -> None:
             f"tensor_parallel_size {world_size} needs torch.distributed initialised first: "
             "start one process per rank (torchrun, or MASTER_ADDR, MASTER_PORT, RANK and "
             "WORLD_SIZE set) and call torch.distributed.init_process_group (gloo on the CPU, "
-            "nccl on CUDA) before building the engine")
+            "nccl on CUDA) before building the engine"
+        )
     if dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(
             f"the process group has {dist.get_world_size()} ranks and this is rank "
-            f"{dist.get_rank()}, but the engine was configured for rank {rank} of {world_size}")
+            f"{dist.get_rank()}, but the engine was configured for rank {rank} of {world_size}"
+        )
 
 
 def min_over_ranks(value: int, device: torch.device) -> int:
@@ -137,8 +151,9 @@ class VocabParallelEmbedding(nn.Module):
     """The rows ``[vocab_start, vocab_start + len(weight))`` of an embedding table: tokens
     outside them embed to zeros here, and the all-reduce adds the owning rank's row."""
 
-    def __init__(self, weight: nn.Parameter, vocab_start: int,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, weight: nn.Parameter, vocab_start: int, group: dist.ProcessGroup | None = None
+    ):
         super().__init__()
         self.weight = weight
         self.vocab_start = vocab_start
@@ -157,8 +172,13 @@ class VocabParallelLMHead(nn.Module):
     """The lm head's rows of one vocabulary shard; ``forward`` gathers every rank's logits in
     rank order and drops the padding, so each rank returns the full ``[T, vocab_size]``."""
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, world_size: int,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        vocab_size: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         self.weight = weight
         self.vocab_size = vocab_size
@@ -173,8 +193,13 @@ class VocabParallelLMHead(nn.Module):
 
 
 @torch.no_grad()
-def shard_model(model: LlamaModel, rank: int, world_size: int,
-                group: dist.ProcessGroup | None = None, model_name: str | None = None) -> None:
+def shard_model(
+    model: LlamaModel,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None = None,
+    model_name: str | None = None,
+) -> None:
     """Keep ``rank``'s share of a loaded model, in place (see the module docstring); a tied
     lm head stays tied to the sharded embedding. Raises ValueError (naming ``model_name``, or
     the architecture) when the model does not split over ``world_size`` ranks."""
@@ -185,8 +210,13 @@ def shard_model(model: LlamaModel, rank: int, world_size: int,
     shard, start = _vocab_shard(model.embed_tokens.weight, rank, world_size)
     embed_weight = nn.Parameter(shard, requires_grad=requires_grad)
     model.embed_tokens = VocabParallelEmbedding(embed_weight, start, group)
-    head_weight = embed_weight if tied else nn.Parameter(
-        _vocab_shard(model.lm_head.weight, rank, world_size)[0], requires_grad=requires_grad)
+    head_weight = (
+        embed_weight
+        if tied
+        else nn.Parameter(
+            _vocab_shard(model.lm_head.weight, rank, world_size)[0], requires_grad=requires_grad
+        )
+    )
     model.lm_head = VocabParallelLMHead(head_weight, arch.vocab_size, world_size, group)
     for layer in model.layers:
         _shard_decoder_layer(layer, rank, world_size, group)
@@ -194,8 +224,9 @@ def shard_model(model: LlamaModel, rank: int, world_size: int,
 
 
 @torch.no_grad()
-def shard_mtp_head(head: MTPHead, rank: int, world_size: int,
-                   group: dist.ProcessGroup | None = None) -> None:
+def shard_mtp_head(
+    head: MTPHead, rank: int, world_size: int, group: dist.ProcessGroup | None = None
+) -> None:
     """Keep ``rank``'s share of each MTP layer's decoder block, in place; ``eh_proj`` and the
     norms stay replicated (the head shares the sharded model's embedding and lm head)."""
     validate_tensor_parallel(head.arch, world_size, head.arch.architecture)
@@ -204,8 +235,9 @@ def shard_mtp_head(head: MTPHead, rank: int, world_size: int,
     head.arch = rank_arch(head.arch, world_size)
 
 
-def _shard_decoder_layer(layer: DecoderLayer, rank: int, world_size: int,
-                         group: dist.ProcessGroup | None) -> None:
+def _shard_decoder_layer(
+    layer: DecoderLayer, rank: int, world_size: int, group: dist.ProcessGroup | None
+) -> None:
     """Keep ``rank``'s heads of the attention and its share of the MLP, in place (the
     caller has checked that they divide)."""
     attn = layer.self_attn
@@ -214,7 +246,8 @@ def _shard_decoder_layer(layer: DecoderLayer, rank: int, world_size: int,
     attn.qkv_proj = _linear(
         _rank_rows(qkv.weight, sizes, rank, world_size),
         None if qkv.bias is None else _rank_rows(qkv.bias, sizes, rank, world_size),
-        qkv.weight.requires_grad)
+        qkv.weight.requires_grad,
+    )
     attn.o_proj = _row_parallel(attn.o_proj, rank, world_size, group)
     attn.num_heads //= world_size
     attn.num_kv_heads //= world_size
@@ -223,22 +256,30 @@ def _shard_decoder_layer(layer: DecoderLayer, rank: int, world_size: int,
     mlp = layer.mlp
     for name in ("gate_proj", "up_proj"):
         linear = getattr(mlp, name)
-        setattr(mlp, name, _linear(_rank_rows(linear.weight, [linear.out_features], rank,
-                                              world_size), None, linear.weight.requires_grad))
+        setattr(
+            mlp,
+            name,
+            _linear(
+                _rank_rows(linear.weight, [linear.out_features], rank, world_size),
+                None,
+                linear.weight.requires_grad,
+            ),
+        )
     mlp.down_proj = _row_parallel(mlp.down_proj, rank, world_size, group)
 
 
-def _rank_rows(tensor: torch.Tensor, sizes: list[int], rank: int,
-               world_size: int) -> torch.Tensor:
+def _rank_rows(tensor: torch.Tensor, sizes: list[int], rank: int, world_size: int) -> torch.Tensor:
     """Of each consecutive piece of ``tensor``'s rows (``sizes``), the rank's 1/N: a copy,
     so the full tensor can be freed."""
     return torch.cat([piece.chunk(world_size)[rank] for piece in tensor.split(sizes)])
 
 
-def _row_parallel(linear: nn.Linear, rank: int, world_size: int,
-                  group: dist.ProcessGroup | None) -> RowParallelLinear:
+def _row_parallel(
+    linear: nn.Linear, rank: int, world_size: int, group: dist.ProcessGroup | None
+) -> RowParallelLinear:
     weight = linear.weight.chunk(world_size, dim=1)[rank].clone(
-        memory_format=torch.contiguous_format)
+        memory_format=torch.contiguous_format
+    )
     bias = linear.bias if linear.bias is not None and rank == 0 else None  # added once
     return RowParallelLinear(_linear(weight, bias, linear.weight.requires_grad), group)
 

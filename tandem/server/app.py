@@ -30,10 +30,121 @@ PREFILL_INFO_TIMEOUT_S = 5.0
 class ApiError(Exception):
     """An error with an HTTP status, rendered in the OpenAI error schema."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Render ApiError and FastAPI's body validation errors in the OpenAI error schema."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, exc: ApiError):
+        return JSONResponse(error_body(exc.message, exc.kind, exc.status, exc.param), exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if isinstance(p, str) and p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), 400)
+
+
+async def _respond(run: RequestRun, request: Request) -> Response:
+    """Stream the run, or wait for its whole response (aborting it if the client leaves)."""
+    if run.prepared.stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream")
+    task = asyncio.create_task(run.full_response())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+    try:
+        return JSONResponse(task.result())
+    except ValueError as e:
+        raise ApiError(400, str(e)) from e
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), "service_unavailable") from e
+    except RequestFailed as e:
+        raise ApiError(502, str(e), "server_error") from e
+
+
+class PrefillAddresses:
+    """PD, decode instances: the control address of each prefill instance named by URL,
+    asked from its ``/v1/disagg/info`` once."""
+
+    def __init__(self, client: AsyncEngineClient):
+        self.client = client
+        self._addresses: dict[str, str] = {}
+
+    async def resolve(self, url: str) -> str:
+        """The control address of the prefill instance at ``url`` (ApiError if none)."""
+        role = self.client.info.get("role")
+        if role != "decode":
+            raise ApiError(
+                400,
+                f"{PREFILL_URL_HEADER} given, but this instance's role is {role!r}, not 'decode'",
+            )
+        if url not in self._addresses:
+            self._addresses[url] = await self._ask(url)
+        return self._addresses[url]
+
+    @staticmethod
+    async def _ask(url: str) -> str:
+        try:
+            async with httpx.AsyncClient(timeout=PREFILL_INFO_TIMEOUT_S) as http:
+                reply = await http.get(url.rstrip("/") + "/v1/disagg/info")
+                reply.raise_for_status()
+                info = reply.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise ApiError(
+                502, f"prefill instance {url} did not answer: {e}", "server_error"
+            ) from e
+        if info.get("role") != "prefill" or not info.get("control_address"):
+            raise ApiError(
+                502, f"{url} is not a prefill instance (role {info.get('role')!r})", "server_error"
+            )
+        return info["control_address"]
+
+
+def _api_key_check(api_key: str | None):
+    """A route dependency that refuses requests without ``Bearer <api_key>`` (when one is
+    set). A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
+    disconnects from the handler, and a disconnect must abort the request."""
+
+    async def check_api_key(request: Request) -> None:
+        if api_key:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise ApiError(401, "invalid or missing API key", "authentication_error")
+
+    return check_api_key
+
+
+def _check_admission(
+    client: AsyncEngineClient, model: str | None, served_model_name: str, max_pending: int
+) -> None:
+    """Refuse a request for another model, or while the engine is dead or full."""
+    if model is not None and model != served_model_name:
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist; this server serves {served_model_name!r}",
+            "not_found_error",
+            "model",
+        )
+    if client.dead:
+        raise ApiError(503, f"engine is not running: {client.dead}", "service_unavailable")
+    if client.num_active_requests >= max_pending:
+        raise ApiError(503, "server is over its request limit; retry later", "service_unavailable")
 
 
 def build_app(
@@ -54,94 +165,21 @@ def build_app(
     app = FastAPI(title="Tandem", lifespan=lifespan)
     metrics = ServerMetrics(served_model_name)
     app.state.client, app.state.metrics = client, metrics
+    _install_error_handlers(app)
+    prefill_addresses = PrefillAddresses(client)
 
-    @app.exception_handler(ApiError)
-    async def api_error(_, exc: ApiError):
-        return JSONResponse(error_body(exc.message, exc.kind, exc.status, exc.param), exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if isinstance(p, str) and p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
-        return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), 400)
-
-    # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
-    # disconnects from the handler, and a disconnect must abort the request.
-    async def check_api_key(request: Request) -> None:
-        if api_key:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise ApiError(401, "invalid or missing API key", "authentication_error")
-
-    authorized = [Depends(check_api_key)]
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves "
-                                f"{served_model_name!r}", "not_found_error", "model")
-
-    def check_capacity() -> None:
-        if client.dead:
-            raise ApiError(503, f"engine is not running: {client.dead}", "service_unavailable")
-        if client.num_active_requests >= max_pending_requests:
-            raise ApiError(503, "server is over its request limit; retry later",
-                           "service_unavailable")
-
-    async def serve(run: RequestRun, request: Request):
-        if run.prepared.stream:
-            return StreamingResponse(run.stream(), media_type="text/event-stream")
-        task = asyncio.create_task(run.full_response())
-        # Abort the request if the client goes away while we wait.
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return Response(status_code=499)
-        try:
-            return JSONResponse(task.result())
-        except ValueError as e:
-            raise ApiError(400, str(e)) from e
-        except EngineDeadError as e:
-            raise ApiError(503, str(e), "service_unavailable") from e
-        except RequestFailed as e:
-            raise ApiError(502, str(e), "server_error") from e
-
-    prefill_addresses: dict[str, str] = {}  # prefill URL -> its control address
-
-    async def prefill_address(url: str) -> str:
-        """The control address of the prefill instance at ``url`` (asked once)."""
-        if client.info.get("role") != "decode":
-            raise ApiError(400, f"{PREFILL_URL_HEADER} given, but this instance's role is "
-                                f"{client.info.get('role')!r}, not 'decode'")
-        if url not in prefill_addresses:
-            try:
-                async with httpx.AsyncClient(timeout=PREFILL_INFO_TIMEOUT_S) as http:
-                    reply = await http.get(url.rstrip("/") + "/v1/disagg/info")
-                    reply.raise_for_status()
-                    info = reply.json()
-            except (httpx.HTTPError, ValueError) as e:
-                raise ApiError(502, f"prefill instance {url} did not answer: {e}",
-                               "server_error") from e
-            if info.get("role") != "prefill" or not info.get("control_address"):
-                raise ApiError(502, f"{url} is not a prefill instance (role "
-                                    f"{info.get('role')!r})", "server_error")
-            prefill_addresses[url] = info["control_address"]
-        return prefill_addresses[url]
+    authorized = [Depends(_api_key_check(api_key))]
 
     async def run(prepare, body, request: Request):
-        check_model(body.model)
-        check_capacity()
+        _check_admission(client, body.model, served_model_name, max_pending_requests)
         try:
             prepared = prepare(body, client)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         prefill_url = request.headers.get(PREFILL_URL_HEADER)
         if prefill_url:
-            prepared.remote_prefill = await prefill_address(prefill_url)
-        return await serve(RequestRun(prepared, client, metrics, served_model_name), request)
+            prepared.remote_prefill = await prefill_addresses.resolve(prefill_url)
+        return await _respond(RequestRun(prepared, client, metrics, served_model_name), request)
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(body: CompletionRequest, request: Request):
@@ -153,8 +191,13 @@ def build_app(
 
     @app.get("/v1/models", dependencies=authorized)
     async def models():
-        card = {"id": served_model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "tandem", "max_model_len": client.info.get("max_model_len")}
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tandem",
+            "max_model_len": client.info.get("max_model_len"),
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -166,8 +209,12 @@ def build_app(
     @app.get("/v1/disagg/info")
     async def disagg_info():
         info = client.info
-        return {"role": info.get("role", "mixed"), "control_address": info.get("control_address"),
-                "num_kv_blocks": info.get("num_kv_blocks"), "block_size": info.get("block_size")}
+        return {
+            "role": info.get("role", "mixed"),
+            "control_address": info.get("control_address"),
+            "num_kv_blocks": info.get("num_kv_blocks"),
+            "block_size": info.get("block_size"),
+        }
 
     @app.get("/metrics")
     async def prometheus_metrics():

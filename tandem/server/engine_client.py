@@ -89,8 +89,10 @@ class AsyncEngineClient:
         world_size = self.config.parallel.tensor_parallel_size
         setups: list[RankSetup | None] = [None]
         if world_size > 1:
-            followers = tuple(f"ipc://{os.path.join(self._socket_dir, f'rank{rank}')}"
-                              for rank in range(1, world_size))
+            followers = tuple(
+                f"ipc://{os.path.join(self._socket_dir, f'rank{rank}')}"
+                for rank in range(1, world_size)
+            )
             port = free_port()
             setups = [RankSetup(rank, world_size, port, followers) for rank in range(world_size)]
         self._processes = [
@@ -220,7 +222,10 @@ class AsyncEngineClient:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     async def generate(
-        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
         remote_prefill: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its delta outputs; aborts it if the caller stops early.
@@ -236,8 +241,9 @@ class AsyncEngineClient:
         self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False
         try:
-            await self._send(["add", request_id, prompt_token_ids, params_to_dict(params),
-                              remote_prefill])
+            await self._send(
+                ["add", request_id, prompt_token_ids, params_to_dict(params), remote_prefill]
+            )
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -16,7 +16,9 @@ class ServerMetrics:
         self.model_name = model_name
         r = self.registry
         self.requests = Counter(
-            "tandem:request_success", "Finished requests by outcome", labels + ["finished_reason"],
+            "tandem:request_success",
+            "Finished requests by outcome",
+            labels + ["finished_reason"],
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -26,16 +28,25 @@ class ServerMetrics:
             "tandem:generation_tokens", "Tokens generated", labels, registry=r
         )
         self.ttft = Histogram(
-            "tandem:time_to_first_token_seconds", "Time to first token", labels,
-            buckets=LATENCY_BUCKETS, registry=r,
+            "tandem:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "tandem:inter_token_latency_seconds", "Time between output chunks per token",
-            labels, buckets=LATENCY_BUCKETS, registry=r,
+            "tandem:inter_token_latency_seconds",
+            "Time between output chunks per token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "tandem:e2e_request_latency_seconds", "End-to-end request latency", labels,
-            buckets=LATENCY_BUCKETS, registry=r,
+            "tandem:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.running = Gauge("tandem:num_requests_running", "Requests running", labels, registry=r)
         self.waiting = Gauge("tandem:num_requests_waiting", "Requests waiting", labels, registry=r)
@@ -47,30 +58,38 @@ class ServerMetrics:
         )
         self.kv_total = Gauge("tandem:num_kv_blocks", "KV blocks in all", labels, registry=r)
         # Speculative decoding, in vLLM's terms (totals mirrored from the engine core).
-        self.spec = self._gauges((
-            ("spec_decode_num_drafts", "Draft runs verified"),
-            ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
-            ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
-        ))
+        self.spec = self._gauges(
+            (
+                ("spec_decode_num_drafts", "Draft runs verified"),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+            )
+        )
         # PD disaggregation (totals mirrored from the engine core of a prefill or decode
         # instance; absent on a mixed one).
-        self.pd = self._gauges((
-            ("pd_kv_transfers", "KV handovers written (prefill instance)"),
-            ("pd_kv_bytes", "KV bytes written (prefill instance)"),
-            ("pd_kv_transfer_s", "Seconds spent writing KV (prefill instance)"),
-            ("pd_handoffs", "Requests whose KV arrived (decode instance)"),
-            ("pd_handoff_s_sum", "Seconds from transferring to KV ready, summed"),
-            ("pd_failures", "Handovers that failed or timed out"),
-        ))
+        self.pd = self._gauges(
+            (
+                ("pd_kv_transfers", "KV handovers written (prefill instance)"),
+                ("pd_kv_bytes", "KV bytes written (prefill instance)"),
+                ("pd_kv_transfer_s", "Seconds spent writing KV (prefill instance)"),
+                ("pd_handoffs", "Requests whose KV arrived (decode instance)"),
+                ("pd_handoff_s_sum", "Seconds from transferring to KV ready, summed"),
+                ("pd_failures", "Handovers that failed or timed out"),
+            )
+        )
         self.spec_per_pos = Gauge(
-            "tandem:spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position",
-            labels + ["position"], registry=r,
+            "tandem:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by position",
+            labels + ["position"],
+            registry=r,
         )
 
     def _gauges(self, names: tuple[tuple[str, str], ...]) -> dict[str, Gauge]:
         """One ``tandem:<key>`` gauge per (key, help), labelled by model name."""
-        return {key: Gauge(f"tandem:{key}", help_text, ["model_name"], registry=self.registry)
-                for key, help_text in names}
+        return {
+            key: Gauge(f"tandem:{key}", help_text, ["model_name"], registry=self.registry)
+            for key, help_text in names
+        }
 
     def record_finish(self, reason: str, num_prompt: int, num_generated: int) -> None:
         self.requests.labels(self.model_name, reason).inc()

@@ -57,15 +57,21 @@ def _prepared(kind, text, token_ids, body, max_tokens, client) -> PreparedReques
     if params.max_tokens is None:
         params.max_tokens = client.info["max_model_len"] - len(token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return PreparedRequest(kind, text, token_ids, params, body.stream, include_usage,
-                           body.return_token_ids)
+    return PreparedRequest(
+        kind, text, token_ids, params, body.stream, include_usage, body.return_token_ids
+    )
 
 
 class RequestRun:
     """Drives one request: yields delta outputs, records metrics, builds responses."""
 
-    def __init__(self, prepared: PreparedRequest, client: AsyncEngineClient,
-                 metrics: ServerMetrics, model_name: str):
+    def __init__(
+        self,
+        prepared: PreparedRequest,
+        client: AsyncEngineClient,
+        metrics: ServerMetrics,
+        model_name: str,
+    ):
         self.prepared = prepared
         self.client = client
         self.metrics = metrics
@@ -77,8 +83,9 @@ class RequestRun:
         p = self.prepared
         start = time.monotonic()
         last = start
-        async for output in self.client.generate(p.prompt, p.prompt_token_ids, p.params,
-                                                 p.remote_prefill):
+        async for output in self.client.generate(
+            p.prompt, p.prompt_token_ids, p.params, p.remote_prefill
+        ):
             now = time.monotonic()
             new_tokens = len(output.outputs[0].token_ids)
             if new_tokens:
@@ -125,8 +132,9 @@ class RequestRun:
             "choices": choices,
         }
 
-    def _logprobs(self, tokens: list[int], logprobs: list[PositionLogprobs] | None,
-                  text_offset: int) -> dict | None:
+    def _logprobs(
+        self, tokens: list[int], logprobs: list[PositionLogprobs] | None, text_offset: int
+    ) -> dict | None:
         if logprobs is None or self.prepared.params.logprobs is None:
             return None
         num_top = self.prepared.params.logprobs
@@ -135,16 +143,22 @@ class RequestRun:
             for token, position in zip(tokens, logprobs, strict=True):
                 chosen = position[token]
                 top = sorted(position.items(), key=lambda kv: kv[1].rank)[:num_top]
-                content.append({
-                    "token": chosen.decoded_token,
-                    "logprob": chosen.logprob,
-                    "bytes": list(chosen.decoded_token.encode()),
-                    "top_logprobs": [
-                        {"token": lp.decoded_token, "logprob": lp.logprob,
-                         "bytes": list(lp.decoded_token.encode())}
-                        for _, lp in top if lp.rank <= num_top
-                    ],
-                })
+                content.append(
+                    {
+                        "token": chosen.decoded_token,
+                        "logprob": chosen.logprob,
+                        "bytes": list(chosen.decoded_token.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": lp.decoded_token,
+                                "logprob": lp.logprob,
+                                "bytes": list(lp.decoded_token.encode()),
+                            }
+                            for _, lp in top
+                            if lp.rank <= num_top
+                        ],
+                    }
+                )
             return {"content": content}
         result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = text_offset
@@ -152,25 +166,39 @@ class RequestRun:
             chosen = position[token]
             result["tokens"].append(chosen.decoded_token)
             result["token_logprobs"].append(chosen.logprob)
-            result["top_logprobs"].append({
-                lp.decoded_token: lp.logprob
-                for _, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
-                if lp.rank <= num_top
-            } if num_top else None)
+            result["top_logprobs"].append(
+                {
+                    lp.decoded_token: lp.logprob
+                    for _, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
+                    if lp.rank <= num_top
+                }
+                if num_top
+                else None
+            )
             result["text_offset"].append(offset)
             offset += len(chosen.decoded_token)
         return result
 
-    def _choice(self, text: str, tokens: list[int], logprobs, finish_reason, chunk: bool,
-                text_offset: int = 0, first: bool = False) -> dict:
-        choice = self._shaped_choice(text, tokens, logprobs, finish_reason, chunk, text_offset,
-                                     first)
+    def _choice(
+        self,
+        text: str,
+        tokens: list[int],
+        logprobs,
+        finish_reason,
+        chunk: bool,
+        text_offset: int = 0,
+        first: bool = False,
+    ) -> dict:
+        choice = self._shaped_choice(
+            text, tokens, logprobs, finish_reason, chunk, text_offset, first
+        )
         if self.prepared.return_token_ids:
             choice["token_ids"] = list(tokens)
         return choice
 
-    def _shaped_choice(self, text, tokens, logprobs, finish_reason, chunk, text_offset,
-                       first) -> dict:
+    def _shaped_choice(
+        self, text, tokens, logprobs, finish_reason, chunk, text_offset, first
+    ) -> dict:
         lp = self._logprobs(tokens, logprobs, text_offset)
         if self.prepared.kind == "completion":
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
@@ -191,25 +219,39 @@ class RequestRun:
             if completion.logprobs is not None:
                 logprobs += completion.logprobs
         has_logprobs = self.prepared.params.logprobs is not None
-        choice = self._choice("".join(text), tokens, logprobs if has_logprobs else None,
-                              self.finish_reason, chunk=False)
+        choice = self._choice(
+            "".join(text),
+            tokens,
+            logprobs if has_logprobs else None,
+            self.finish_reason,
+            chunk=False,
+        )
         return {**self._envelope([choice], chunk=False), "usage": self.usage()}
 
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: one chunk per engine output, usage if asked, then [DONE]."""
         first, offset = True, 0
         if self.prepared.kind == "chat":
-            yield _sse(self._envelope(
-                [self._choice("", [], None, None, chunk=True, first=True)], chunk=True))
+            yield _sse(
+                self._envelope(
+                    [self._choice("", [], None, None, chunk=True, first=True)], chunk=True
+                )
+            )
             first = False
         try:
             async for output in self.outputs():
                 completion = output.outputs[0]
                 if not completion.text and not completion.token_ids and not output.finished:
                     continue
-                choice = self._choice(completion.text, completion.token_ids,
-                                      completion.logprobs, completion.finish_reason,
-                                      chunk=True, text_offset=offset, first=first)
+                choice = self._choice(
+                    completion.text,
+                    completion.token_ids,
+                    completion.logprobs,
+                    completion.finish_reason,
+                    chunk=True,
+                    text_offset=offset,
+                    first=first,
+                )
                 offset += len(completion.text)
                 first = False
                 yield _sse(self._envelope([choice], chunk=True))

@@ -115,8 +115,14 @@ def distill_loss(head, model, tokens, depths: int = len(DEPTH_WEIGHTS)):
         backend = DenseCausalBackend(batch, length)
         positions = torch.arange(depth, depth + length, device=tokens.device).repeat(batch)
         embeds = model.embed_tokens(tokens[:, depth + 1 :]).reshape(batch * length, -1)
-        g = layer(positions, embeds.detach(), previous[:, :length].reshape(batch * length, -1),
-                  (None, None), None, backend).view(batch, length, -1)
+        g = layer(
+            positions,
+            embeds.detach(),
+            previous[:, :length].reshape(batch * length, -1),
+            (None, None),
+            None,
+            backend,
+        ).view(batch, length, -1)
         student = model.compute_logits(layer.final_norm(g)).log_softmax(dim=-1)
         teacher = base_logprobs[:, depth + 1 :]
         kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
@@ -147,8 +153,7 @@ def train_mtp(
     else:
         head = load_mtp_head("dummy", files, base.rotary, config.seed).to(device)
         _init_head_from_base(head, base)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr,
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     history: list[dict] = []
     generator = torch.Generator().manual_seed(config.seed)
     bar = None
@@ -168,8 +173,9 @@ def train_mtp(
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = torch.randint(0, train_tokens.shape[0], (config.batch_size,), generator=generator)
-        with torch.autocast(device_type=torch.device(device).type, dtype=dtype,
-                            enabled=dtype != torch.float32):
+        with torch.autocast(
+            device_type=torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32
+        ):
             loss, agree = distill_loss(head, base, train_tokens[rows].to(device))
         optimizer.zero_grad(set_to_none=True)
         loss.float().backward()
@@ -177,22 +183,28 @@ def train_mtp(
         optimizer.step()
         last = _progress(step, config, time.monotonic() - start) >= 1.0
         if step % config.eval_every == 0 or last:
-            record = {"step": step, "loss": loss.item(), "train_agree": agree.item(),
-                      "eval_agree": evaluate(head, base, eval_tokens, config, device, dtype),
-                      "elapsed_s": time.monotonic() - start}
+            record = {
+                "step": step,
+                "loss": loss.item(),
+                "train_agree": agree.item(),
+                "eval_agree": evaluate(head, base, eval_tokens, config, device, dtype),
+                "elapsed_s": time.monotonic() - start,
+            }
             history.append(record)
             if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", held_out=f"{record['eval_agree']:.3f}")
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}", held_out=f"{record['eval_agree']:.3f}"
+                )
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    summary = {"config": asdict(config), "steps_run": step, "history": history,
-               "model": files.path}
+    summary = {"config": asdict(config), "steps_run": step, "history": history, "model": files.path}
     if out_dir is not None:
         # bf16 keeps the shipped file small; the engine casts it to its own dtype.
-        save_head(head, out_dir, os.path.basename(files.path), {"training": summary},
-                  dtype=torch.bfloat16)
+        save_head(
+            head, out_dir, os.path.basename(files.path), {"training": summary}, dtype=torch.bfloat16
+        )
         with open(f"{out_dir}/train_log.json", "w") as f:
             json.dump(summary, f, indent=2)
     return head, summary
@@ -209,11 +221,16 @@ def _progress(step: int, config: TrainConfig, elapsed_s: float) -> float:
 def evaluate(head, base, eval_tokens, config: TrainConfig, device, dtype) -> float:
     """Held-out greedy agreement of the head's first draft with the base."""
     agree, batches = 0.0, 0
-    with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, dtype=dtype,
-                                         enabled=dtype != torch.float32):
+    with (
+        torch.no_grad(),
+        torch.autocast(
+            device_type=torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32
+        ),
+    ):
         for start in range(0, eval_tokens.shape[0], config.batch_size):
-            _, batch_agree = distill_loss(head, base, eval_tokens[start:start + config.batch_size]
-                                          .to(device))
+            _, batch_agree = distill_loss(
+                head, base, eval_tokens[start : start + config.batch_size].to(device)
+            )
             agree += float(batch_agree)
             batches += 1
     return agree / max(batches, 1)
@@ -232,15 +249,22 @@ def _init_head_from_base(head: MTPHead, base: LlamaModel) -> None:
         layer.eh_proj.weight[:, :hidden].copy_(0.1 * torch.eye(hidden))
 
 
-def build_data(model: str | None, num_conversations: int, num_self_generated: int,
-               seq_len: int, device: str, seed: int) -> dict[str, torch.Tensor]:
+def build_data(
+    model: str | None,
+    num_conversations: int,
+    num_self_generated: int,
+    seq_len: int,
+    device: str,
+    seed: int,
+) -> dict[str, torch.Tensor]:
     """Packed train/eval token rows: ShareGPT conversations plus self-generated replies."""
     from tandem.models.loader import resolve_model
     from tandem.tokenizer import Tokenizer
 
     path = resolve_model(model)
-    tokenizer = Tokenizer.from_model_path(resolve_model(None) if path.startswith("dummy:")
-                                          else path)
+    tokenizer = Tokenizer.from_model_path(
+        resolve_model(None) if path.startswith("dummy:") else path
+    )
     sequences = sharegpt_sequences(tokenizer, num_conversations + num_self_generated, seq_len)
     if num_self_generated:
         from tandem import LLM
@@ -284,15 +308,22 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--time-budget", type=float, default=None,
-                        help="stop after this many seconds (the schedule shortens to fit)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="stop after this many seconds (the schedule shortens to fit)",
+    )
     parser.add_argument("--num-conversations", type=int, default=4000)
     parser.add_argument("--num-self-generated", type=int, default=1000)
     parser.add_argument("--data", default=None, help="token data saved by --save-data")
     parser.add_argument("--save-data", default=None, help="save the packed data and exit")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--init-head", default=None,
-                        help="continue training this head directory instead of starting anew")
+    parser.add_argument(
+        "--init-head",
+        default=None,
+        help="continue training this head directory instead of starting anew",
+    )
 
 
 def main_from_args(args) -> int:
@@ -300,17 +331,37 @@ def main_from_args(args) -> int:
     if args.data:
         data = torch.load(args.data)
     else:
-        data = build_data(args.model, args.num_conversations, args.num_self_generated,
-                          args.seq_len, args.device, args.seed)
+        data = build_data(
+            args.model,
+            args.num_conversations,
+            args.num_self_generated,
+            args.seq_len,
+            args.device,
+            args.seed,
+        )
     if args.save_data:
         torch.save(data, args.save_data)
         print(f"saved {tuple(data['train'].shape)} train rows to {args.save_data}")
         return 0
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                         lr=args.lr, eval_every=args.eval_every, seed=args.seed,
-                         time_budget_s=args.time_budget, init_head=args.init_head)
-    _, summary = train_mtp(args.model, data["train"], data["eval"], config, args.device,
-                           getattr(torch, dtype_name), args.out)
+    config = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        seed=args.seed,
+        time_budget_s=args.time_budget,
+        init_head=args.init_head,
+    )
+    _, summary = train_mtp(
+        args.model,
+        data["train"],
+        data["eval"],
+        config,
+        args.device,
+        getattr(torch, dtype_name),
+        args.out,
+    )
     print(json.dumps(summary["history"][-1]))
     return 0

@@ -42,8 +42,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def capture_graph(forward, pool, stream: torch.cuda.Stream
-                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture_graph(
+    forward, pool, stream: torch.cuda.Stream
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Run ``forward`` once eagerly (compiles the kernels and sets up cuBLAS outside the
     capture), then capture it on ``stream`` into ``pool``; returns the graph and the captured
     run's output (static: each replay rewrites it)."""
@@ -78,9 +79,18 @@ class _Graph:
 class CudaGraphRunner:
     """Captures and replays the model's forward for uniform batches of ``query_lens``."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], backend: TritonAttentionBackend,
-                 block_size: int, max_model_len: int, max_num_seqs: int,
-                 query_lens: list[int], scratch_block: int, device: torch.device):
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        backend: TritonAttentionBackend,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        query_lens: list[int],
+        scratch_block: int,
+        device: torch.device,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
@@ -129,8 +139,13 @@ class CudaGraphRunner:
 
     def _forward(self, size: int, q: int) -> torch.Tensor:
         tokens = size * q
-        return self.model(self.input_ids[:tokens], self.positions[:tokens], self.kv_caches,
-                          self._metadata(size, q), self.backend)
+        return self.model(
+            self.input_ids[:tokens],
+            self.positions[:tokens],
+            self.kv_caches,
+            self._metadata(size, q),
+            self.backend,
+        )
 
     def _fill(self, batch: GraphBatch, size: int) -> None:
         """Copy the batch into the static buffers, padded on the host to ``size`` rows:
@@ -159,8 +174,9 @@ class CudaGraphRunner:
                 return size
         return None
 
-    def run(self, batch: GraphBatch, size: int, fills: list[tuple[torch.Tensor, torch.Tensor]]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, batch: GraphBatch, size: int, fills: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the static buffers from ``batch`` (``fills``: flat indices and token ids
         already on the device, such as drafts, written over their placeholders) and replay
         its graph.

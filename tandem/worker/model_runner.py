@@ -121,8 +121,9 @@ def _attention_backend(name: str) -> AttentionBackend:
     return TritonAttentionBackend() if name == "triton" else TorchAttentionBackend()
 
 
-def kv_cache_bytes_per_block(arch, block_size: int, dtype: torch.dtype,
-                             num_extra_layers: int = 0) -> int:
+def kv_cache_bytes_per_block(
+    arch, block_size: int, dtype: torch.dtype, num_extra_layers: int = 0
+) -> int:
     """Bytes that one KV block takes over all layers (keys and values), MTP layers too."""
     element = torch.empty((), dtype=dtype).element_size()
     layers = arch.num_layers + num_extra_layers
@@ -202,26 +203,44 @@ class ModelRunner:
         """Create the paged KV cache (``num_blocks`` blocks for requests plus one scratch
         block for CUDA graphs' padding rows) and capture the graphs unless eager."""
         self.max_model_len = max_model_len
-        cache_shape = (2, num_blocks + 1, self.block_size, self.arch.num_kv_heads,
-                       self.arch.head_dim)
-        self.kv_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.arch.num_layers)]
+        cache_shape = (
+            2,
+            num_blocks + 1,
+            self.block_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+        )
+        self.kv_caches = [
+            torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.arch.num_layers)
+        ]
         k = self.config.speculative.num_speculative_tokens
         if self.mtp_head is not None:
-            mtp_caches = [torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.mtp_head.num_layers)]
-            self.proposer = MTPProposer(self.mtp_head, self.model, mtp_caches, self.backend,
-                                        self.block_size, self.device)
+            mtp_caches = [
+                torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.mtp_head.num_layers)
+            ]
+            self.proposer = MTPProposer(
+                self.mtp_head, self.model, mtp_caches, self.backend, self.block_size, self.device
+            )
         if self.uses_cuda_graphs:
             query_lens = [1, 1 + k] if self.mtp_head is not None else [1]
             self.graphs = CudaGraphRunner(
-                self.model, self.kv_caches, self.backend, self.block_size, max_model_len,
-                self.config.scheduler.max_num_seqs, query_lens, num_blocks, self.device)
+                self.model,
+                self.kv_caches,
+                self.backend,
+                self.block_size,
+                max_model_len,
+                self.config.scheduler.max_num_seqs,
+                query_lens,
+                num_blocks,
+                self.device,
+            )
             self.graphs.capture()
             if self.proposer is not None and k > 1:
                 self.proposer.graphs = DraftGraphRunner(
-                    self.proposer, k, max_model_len, self.config.scheduler.max_num_seqs,
-                    num_blocks)
+                    self.proposer, k, max_model_len, self.config.scheduler.max_num_seqs, num_blocks
+                )
                 self.proposer.graphs.capture()
         if self.device.type == "cuda":
             self._warm_up_eager_steps(scratch_block=num_blocks)
@@ -238,8 +257,11 @@ class ModelRunner:
     @property
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and the Triton backend (whose launches read no host value)."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager
-                and isinstance(self.backend, TritonAttentionBackend))
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and isinstance(self.backend, TritonAttentionBackend)
+        )
 
     @torch.inference_mode()
     @on_runner_device
@@ -251,16 +273,30 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        caches = [torch.zeros((2, blocks, self.block_size, self.arch.num_kv_heads,
-                               self.arch.head_dim), dtype=self.dtype, device=self.device)
-                  for _ in range(self.arch.num_layers)]
+        caches = [
+            torch.zeros(
+                (2, blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for _ in range(self.arch.num_layers)
+        ]
         slots = torch.arange(tokens, device=self.device)
-        metadata = self.backend.build_metadata([tokens], [tokens], [list(range(blocks))], slots,
-                                               self.block_size, self.device)
-        hidden = self.model(self._input_ids[:tokens], torch.arange(tokens, device=self.device),
-                            caches, metadata, self.backend)
-        rows = min(tokens, self.config.scheduler.max_num_seqs
-                   * (1 + self.config.speculative.num_speculative_tokens))
+        metadata = self.backend.build_metadata(
+            [tokens], [tokens], [list(range(blocks))], slots, self.block_size, self.device
+        )
+        hidden = self.model(
+            self._input_ids[:tokens],
+            torch.arange(tokens, device=self.device),
+            caches,
+            metadata,
+            self.backend,
+        )
+        rows = min(
+            tokens,
+            self.config.scheduler.max_num_seqs
+            * (1 + self.config.speculative.num_speculative_tokens),
+        )
         self.model.compute_logits(hidden[:rows]).softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -276,14 +312,22 @@ class ModelRunner:
         block_size = self.block_size
         for query_lens in ([2 * block_size], [1, 2 * block_size]):
             positions = [p for length in query_lens for p in range(length)]
-            slots = to_device([scratch_block * block_size + p % block_size for p in positions],
-                              torch.long, self.device)
+            slots = to_device(
+                [scratch_block * block_size + p % block_size for p in positions],
+                torch.long,
+                self.device,
+            )
             tables = [[scratch_block] * -(-length // block_size) for length in query_lens]
-            metadata = self.backend.build_metadata(query_lens, query_lens, tables, slots,
-                                                   block_size, self.device)
-            hidden = self.model(self._input_ids[:len(positions)],
-                                to_device(positions, torch.long, self.device),
-                                self.kv_caches, metadata, self.backend)
+            metadata = self.backend.build_metadata(
+                query_lens, query_lens, tables, slots, block_size, self.device
+            )
+            hidden = self.model(
+                self._input_ids[: len(positions)],
+                to_device(positions, torch.long, self.device),
+                self.kv_caches,
+                metadata,
+                self.backend,
+            )
             self.model.compute_logits(hidden[-1:])
 
     # ---- per-request state ---------------------------------------------------------------
@@ -324,8 +368,12 @@ class ModelRunner:
         state = self.states.get(request_id)
         if state is None:
             raise RuntimeError(f"request {request_id!r} has no runner state to hand over")
-        handoff: dict = {"drafts": [], "draft_probs": None, "draft_probs_shape": None,
-                         "generator_state": None}
+        handoff: dict = {
+            "drafts": [],
+            "draft_probs": None,
+            "draft_probs_shape": None,
+            "generator_state": None,
+        }
         if state.drafts is not None:
             handoff["drafts"] = state.drafts.tolist()
         if state.draft_probs is not None:
@@ -337,8 +385,14 @@ class ModelRunner:
         return handoff
 
     @on_runner_device
-    def insert_handoff(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                       handoff: dict, seed: int | None) -> None:
+    def insert_handoff(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        handoff: dict,
+        seed: int | None,
+    ) -> None:
         """Start the state of a request whose prompt KV a prefill instance wrote: every
         prompt position is computed, the first output token is the last of ``token_ids``,
         and the next step verifies the handed-over drafts."""
@@ -352,8 +406,13 @@ class ModelRunner:
                 generator.set_state(torch.from_numpy(data))
             else:
                 generator.manual_seed(seed)
-        state = RequestState(list(token_ids), num_prompt_tokens, num_prompt_tokens, generator,
-                             num_prompt_logprobs=num_prompt_tokens)
+        state = RequestState(
+            list(token_ids),
+            num_prompt_tokens,
+            num_prompt_tokens,
+            generator,
+            num_prompt_logprobs=num_prompt_tokens,
+        )
         drafts = handoff.get("drafts") or []
         if drafts and self.proposer is not None:
             # Copied without a wait: a step may be in flight.
@@ -361,8 +420,10 @@ class ModelRunner:
             if handoff.get("draft_probs") is not None:
                 probs = np.frombuffer(handoff["draft_probs"], dtype=np.float32).copy()
                 state.draft_probs = to_device(
-                    torch.from_numpy(probs).view(*handoff["draft_probs_shape"]), torch.float32,
-                    self.device)
+                    torch.from_numpy(probs).view(*handoff["draft_probs_shape"]),
+                    torch.float32,
+                    self.device,
+                )
         self.states[request_id] = state
 
     # ---- one step ------------------------------------------------------------------------
@@ -380,8 +441,10 @@ class ModelRunner:
             plan = RowPlan(row, state, start, num_known, num_drafts, len(inputs.token_ids))
             end = plan.end
             if end > len(row.block_ids) * block_size:
-                raise RuntimeError(f"request {plan.request_id!r}: no KV slot for position "
-                                   f"{end - 1} ({len(row.block_ids)} blocks)")
+                raise RuntimeError(
+                    f"request {plan.request_id!r}: no KV slot for position "
+                    f"{end - 1} ({len(row.block_ids)} blocks)"
+                )
             inputs.plans.append(plan)
             known = state.token_ids[start : start + num_known]
             if known and known[-1] == PLACEHOLDER:
@@ -390,14 +453,16 @@ class ModelRunner:
                 known = [*known[:-1], 0]
             inputs.token_ids += known
             if num_drafts:
-                inputs.draft_index += range(len(inputs.token_ids),
-                                            len(inputs.token_ids) + num_drafts)
+                inputs.draft_index += range(
+                    len(inputs.token_ids), len(inputs.token_ids) + num_drafts
+                )
                 inputs.drafts.append(state.drafts[:num_drafts])
                 inputs.token_ids += [0] * num_drafts
             inputs.positions += range(start, end)
             blocks = row.block_ids
-            inputs.slots += [blocks[p // block_size] * block_size + p % block_size
-                             for p in range(start, end)]
+            inputs.slots += [
+                blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+            ]
             inputs.query_lens.append(end - start)
             inputs.seq_lens.append(end)
             inputs.block_tables.append(blocks)
@@ -462,11 +527,16 @@ class ModelRunner:
         logits_rows: list[int] = []
         for plan in sampling_plans:
             state = plan.state
-            sampling_rows.append(SamplingRow(
-                len(logits_rows), plan.num_drafts, plan.row.request.sampling_params,
-                state.generator, len(state.token_ids) - state.num_prompt_tokens,
-                state.draft_probs,
-            ))
+            sampling_rows.append(
+                SamplingRow(
+                    len(logits_rows),
+                    plan.num_drafts,
+                    plan.row.request.sampling_params,
+                    state.generator,
+                    len(state.token_ids) - state.num_prompt_tokens,
+                    state.draft_probs,
+                )
+            )
             first = plan.offset + plan.num_known - 1
             logits_rows += range(first, first + 1 + plan.num_drafts)
         num_sampling = len(logits_rows)
@@ -477,18 +547,29 @@ class ModelRunner:
             rows = to_device(logits_rows, torch.long, self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             if sampling_rows:
-                sample = sample_step(sampling_rows, logits[:num_sampling],
-                                     input_ids.index_select(0, rows[:num_sampling]),
-                                     self.default_generator)
+                sample = sample_step(
+                    sampling_rows,
+                    logits[:num_sampling],
+                    input_ids.index_select(0, rows[:num_sampling]),
+                    self.default_generator,
+                )
                 reads += [sample.candidates, sample.num_emitted]
                 if sample.logprobs is not None:
                     reads += sample.logprobs.tensors()
             if inputs.prompt_rows:
                 prompt_logprobs = self._prompt_logprobs(inputs, logits[num_sampling:])
                 reads += prompt_logprobs.tensors()
-        launched = LaunchedStep(inputs, sampling_plans, sampling_rows, sample, prompt_logprobs,
-                                self.reader.start(reads, begun) if reads else None, hidden,
-                                ModelRunnerOutput(), self.proposer is None)
+        launched = LaunchedStep(
+            inputs,
+            sampling_plans,
+            sampling_rows,
+            sample,
+            prompt_logprobs,
+            self.reader.start(reads, begun) if reads else None,
+            hidden,
+            ModelRunnerOutput(),
+            self.proposer is None,
+        )
         if launched.advanced:
             self._advance(launched)
         return launched
@@ -527,18 +608,32 @@ class ModelRunner:
         device): by a CUDA graph's replay when the batch is uniform, else eagerly."""
         fills = []  # (flat indices, token ids) written on the device after the copy
         if inputs.drafts:
-            fills.append((to_device(inputs.draft_index, torch.long, self.device),
-                          torch.cat(inputs.drafts)))
+            fills.append(
+                (to_device(inputs.draft_index, torch.long, self.device), torch.cat(inputs.drafts))
+            )
         if inputs.pending_index:
             source = inputs.pending_sources[0][0]  # one launched step at a time
-            fills.append((to_device(inputs.pending_index, torch.long, self.device),
-                          source.index_select(0, to_device(
-                              [index for _, index in inputs.pending_sources], torch.long,
-                              self.device))))
+            fills.append(
+                (
+                    to_device(inputs.pending_index, torch.long, self.device),
+                    source.index_select(
+                        0,
+                        to_device(
+                            [index for _, index in inputs.pending_sources], torch.long, self.device
+                        ),
+                    ),
+                )
+            )
         size = self.graphs.padded_size(inputs.query_lens) if self.graphs is not None else None
         if size is not None:
-            batch = GraphBatch(inputs.token_ids, inputs.positions, inputs.slots,
-                               inputs.seq_lens, inputs.block_tables, inputs.query_lens[0])
+            batch = GraphBatch(
+                inputs.token_ids,
+                inputs.positions,
+                inputs.slots,
+                inputs.seq_lens,
+                inputs.block_tables,
+                inputs.query_lens[0],
+            )
             return self.graphs.run(batch, size, fills)
         num_tokens = len(inputs.token_ids)
         input_ids = self._input_ids[:num_tokens]
@@ -550,8 +645,12 @@ class ModelRunner:
         for index, tokens in fills:
             input_ids[index] = tokens
         metadata = self.backend.build_metadata(
-            inputs.query_lens, inputs.seq_lens, inputs.block_tables, slots,
-            self.block_size, self.device,
+            inputs.query_lens,
+            inputs.seq_lens,
+            inputs.block_tables,
+            slots,
+            self.block_size,
+            self.device,
         )
         return self.model(input_ids, positions, self.kv_caches, metadata, self.backend), input_ids
 
@@ -566,8 +665,9 @@ class ModelRunner:
         if sample.logprobs is not None:
             entries = LogprobsTensors.from_host(host[2:6])
             logprobs = dict(zip(sample.logprob_rows, entries, strict=True))
-        for plan, sampling_row, count in zip(launched.sampling_plans, launched.sampling_rows,
-                                             num_emitted, strict=True):
+        for plan, sampling_row, count in zip(
+            launched.sampling_plans, launched.sampling_rows, num_emitted, strict=True
+        ):
             first = sampling_row.logits_start
             tokens = candidates[first : first + count]
             request_id = plan.request_id
@@ -577,8 +677,12 @@ class ModelRunner:
             top_n = sampling_row.params.logprobs
             if top_n is not None:
                 output.logprobs[request_id] = [
-                    (token, logprobs[first + j][0], logprobs[first + j][1],
-                     logprobs[first + j][2][:top_n])
+                    (
+                        token,
+                        logprobs[first + j][0],
+                        logprobs[first + j][1],
+                        logprobs[first + j][2][:top_n],
+                    )
                     for j, token in enumerate(tokens)
                 ]
             state = plan.state
@@ -586,8 +690,7 @@ class ModelRunner:
                 # The placeholder stays where it was unless the request was reset since.
                 if state.token_ids[plan.placeholder : plan.placeholder + 1] == [PLACEHOLDER]:
                     state.token_ids[plan.placeholder] = tokens[0]
-                if (state.pending_token is not None
-                        and state.pending_token[0] is sample.candidates):
+                if state.pending_token is not None and state.pending_token[0] is sample.candidates:
                     state.pending_token = None
                 continue
             state.num_computed = len(state.token_ids) + count - 1
@@ -612,10 +715,16 @@ class ModelRunner:
                 # Drafts beyond the context would have no KV slot.
                 num_drafts = max(0, min(k, self.max_model_len - 1 - (kept[-1] + 1)))
                 sampling[request_id] = (plan.row.request.sampling_params, state.generator)
-            rows.append(ProposalRow(
-                request_id, kept, [plan.offset + p - plan.start for p in kept],
-                [state.token_ids[p + 1] for p in kept], plan.row.block_ids, num_drafts,
-            ))
+            rows.append(
+                ProposalRow(
+                    request_id,
+                    kept,
+                    [plan.offset + p - plan.start for p in kept],
+                    [state.token_ids[p + 1] for p in kept],
+                    plan.row.block_ids,
+                    num_drafts,
+                )
+            )
         proposal = self.proposer.propose(rows, hidden, sampling, self.default_generator)
         for request_id, drafts in proposal.draft_token_ids.items():
             state = self.states[request_id]
@@ -625,8 +734,9 @@ class ModelRunner:
 
     def _prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> LogprobsTensors:
         targets = [t for _, _, row_targets in inputs.prompt_rows for t in row_targets]
-        num_top = max(plan.row.request.sampling_params.prompt_logprobs
-                      for plan, _, _ in inputs.prompt_rows)
+        num_top = max(
+            plan.row.request.sampling_params.prompt_logprobs for plan, _, _ in inputs.prompt_rows
+        )
         return compute_logprobs(logits, to_device(targets, torch.long, self.device), num_top)
 
     def _report_prompt_logprobs(self, inputs: StepInputs, host: list[list], output) -> None:
@@ -637,7 +747,8 @@ class ModelRunner:
             output.prompt_logprobs[plan.request_id] = [
                 (target, logprob, rank, top[:top_n])
                 for target, (logprob, rank, top) in zip(
-                    row_targets, entries[offset : offset + len(indices)], strict=True)
+                    row_targets, entries[offset : offset + len(indices)], strict=True
+                )
             ]
             plan.state.num_prompt_logprobs = plan.start + indices[-1] - plan.offset + 1
             offset += len(indices)

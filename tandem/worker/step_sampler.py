@@ -65,12 +65,14 @@ def _ban_end_tokens(rows: list[SamplingRow], logits: torch.Tensor) -> torch.Tens
     if not banned:
         return logits
     index = to_device(banned, torch.long, logits.device).unbind(1)
-    return logits.index_put(index, torch.full((), float("-inf"), device=logits.device,
-                                              dtype=logits.dtype))
+    return logits.index_put(
+        index, torch.full((), float("-inf"), device=logits.device, dtype=logits.dtype)
+    )
 
 
-def _greedy_accepted(rows: list[SamplingRow], argmax: torch.Tensor,
-                     row_tokens: torch.Tensor) -> torch.Tensor:
+def _greedy_accepted(
+    rows: list[SamplingRow], argmax: torch.Tensor, row_tokens: torch.Tensor
+) -> torch.Tensor:
     """Accepted drafts of greedy rows with drafts, all rows at once (padded to max k)."""
     k = max(r.num_drafts for r in rows)
     targets, drafts, valid = [], [], []
@@ -80,8 +82,10 @@ def _greedy_accepted(rows: list[SamplingRow], argmax: torch.Tensor,
         drafts.append([min(row.logits_start + 1 + i, last) for i in range(k)])
         valid.append([i < row.num_drafts for i in range(k)])
     device = argmax.device
-    agree = argmax[to_device(targets, torch.long, device)] == row_tokens[
-        to_device(drafts, torch.long, device)]
+    agree = (
+        argmax[to_device(targets, torch.long, device)]
+        == row_tokens[to_device(drafts, torch.long, device)]
+    )
     agree &= to_device(valid, torch.bool, device)
     return agree.long().cumprod(dim=1).sum(dim=1)
 
@@ -98,31 +102,46 @@ def _rejection_sample(
     num_drafts = [r.num_drafts for r in rows]
     logits_rows = [r.logits_start + j for r in rows for j in range(r.num_drafts + 1)]
     # The draft checked at each position is the next row's input (unused at the last one).
-    next_rows = [r.logits_start + min(j + 1, r.num_drafts) for r in rows
-                 for j in range(r.num_drafts + 1)]
+    next_rows = [
+        r.logits_start + min(j + 1, r.num_drafts) for r in rows for j in range(r.num_drafts + 1)
+    ]
     index = to_device(logits_rows, torch.long, device)
-    batch = SamplingBatch.build([r.params for r in rows for _ in range(r.num_drafts + 1)],
-                                [None] * len(logits_rows), vocab, device)
+    batch = SamplingBatch.build(
+        [r.params for r in rows for _ in range(r.num_drafts + 1)],
+        [None] * len(logits_rows),
+        vocab,
+        device,
+    )
     target_probs = apply_filters(logits.index_select(0, index), batch)
     draft_tokens = row_tokens[to_device(next_rows, torch.long, device)]
     draft_probs = torch.zeros_like(target_probs)
     starts = row_starts(num_drafts)
-    sampled = [(start, r) for start, r in zip(starts, rows) if r.draft_probs is not None]
+    sampled = [
+        (start, r) for start, r in zip(starts[:-1], rows, strict=True) if r.draft_probs is not None
+    ]
     if sampled:
         positions = [start + j for start, r in sampled for j in range(r.num_drafts)]
-        draft_probs.index_copy_(0, to_device(positions, torch.long, device), torch.cat(
-            [r.draft_probs[: r.num_drafts] for _, r in sampled]).to(draft_probs.dtype))
+        draft_probs.index_copy_(
+            0,
+            to_device(positions, torch.long, device),
+            torch.cat([r.draft_probs[: r.num_drafts] for _, r in sampled]).to(draft_probs.dtype),
+        )
     # Drafts without a distribution: q is one-hot on them.
-    one_hot = [start + j for start, r in zip(starts, rows) if r.draft_probs is None
-               for j in range(r.num_drafts)]
+    one_hot = [
+        start + j
+        for start, r in zip(starts[:-1], rows, strict=True)
+        if r.draft_probs is None
+        for j in range(r.num_drafts)
+    ]
     if one_hot:
         positions = to_device(one_hot, torch.long, device)
-        draft_probs.index_put_((positions, draft_tokens[positions]),
-                               torch.ones((), device=device))
-    uniforms, noise = rejection_randoms(num_drafts, vocab, [r.generator for r in rows],
-                                        default_generator, device)
-    accepted, tokens = rejection_verify_batch(target_probs, draft_probs, draft_tokens,
-                                              num_drafts, uniforms, noise)
+        draft_probs.index_put_((positions, draft_tokens[positions]), torch.ones((), device=device))
+    uniforms, noise = rejection_randoms(
+        num_drafts, vocab, [r.generator for r in rows], default_generator, device
+    )
+    accepted, tokens = rejection_verify_batch(
+        target_probs, draft_probs, draft_tokens, num_drafts, uniforms, noise
+    )
     return accepted, tokens, index
 
 
@@ -142,11 +161,13 @@ def sample_step(
 
     plain = [i for i, r in enumerate(rows) if not r.num_drafts and not r.params.greedy]
     if plain:
-        batch = SamplingBatch.build([rows[i].params for i in plain],
-                                    [rows[i].generator for i in plain], vocab, device)
+        batch = SamplingBatch.build(
+            [rows[i].params for i in plain], [rows[i].generator for i in plain], vocab, device
+        )
         starts = to_device([rows[i].logits_start for i in plain], torch.long, device)
-        candidates.index_copy_(0, starts, sample(filtered.index_select(0, starts), batch,
-                                                 default_generator))
+        candidates.index_copy_(
+            0, starts, sample(filtered.index_select(0, starts), batch, default_generator)
+        )
 
     greedy = [i for i, r in enumerate(rows) if r.num_drafts and r.params.greedy]
     if greedy:
@@ -156,16 +177,22 @@ def sample_step(
     drafted = [i for i, r in enumerate(rows) if r.num_drafts and not r.params.greedy]
     if drafted:
         accepted, tokens, logits_rows = _rejection_sample(
-            [rows[i] for i in drafted], filtered, row_tokens, default_generator)
+            [rows[i] for i in drafted], filtered, row_tokens, default_generator
+        )
         candidates.index_copy_(0, logits_rows, tokens)
         num_emitted.index_copy_(0, to_device(drafted, torch.long, device), accepted + 1)
 
-    logprob_rows = [row.logits_start + j for row in rows if row.params.logprobs is not None
-                    for j in range(1 + row.num_drafts)]
+    logprob_rows = [
+        row.logits_start + j
+        for row in rows
+        if row.params.logprobs is not None
+        for j in range(1 + row.num_drafts)
+    ]
     logprobs = None
     if logprob_rows:
         index = to_device(logprob_rows, torch.long, device)
         num_top = max(r.params.logprobs for r in rows if r.params.logprobs is not None)
-        logprobs = compute_logprobs(logits.index_select(0, index),
-                                    candidates.index_select(0, index), num_top)
+        logprobs = compute_logprobs(
+            logits.index_select(0, index), candidates.index_select(0, index), num_top
+        )
     return StepSample(candidates, num_emitted, logprob_rows, logprobs)

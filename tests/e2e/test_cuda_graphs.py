@@ -33,19 +33,27 @@ def _model() -> str:
 def _run(engine: dict, device: str = "cuda", **options):
     from tandem import LLM
 
-    llm = LLM(model=_model(), device=device, dtype="float32", kv_cache_memory_gb=4, **engine,
-              **options)
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
-               for q in load_mtbench()[::5]][:16]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2),
-                           use_tqdm=False)
+    llm = LLM(
+        model=_model(), device=device, dtype="float32", kv_cache_memory_gb=4, **engine, **options
+    )
+    prompts = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
+        for q in load_mtbench()[::5]
+    ][:16]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2),
+        use_tqdm=False,
+    )
     graphs = llm.engine.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
     proposer = llm.engine.runner.proposer
-    drafting = {"draft_replays": proposer.graphs.num_replays
-                if proposer is not None and proposer.graphs is not None else 0,
-                "accepted": llm.get_metrics().get("spec_decode_num_accepted_tokens", 0)}
+    drafting = {
+        "draft_replays": proposer.graphs.num_replays
+        if proposer is not None and proposer.graphs is not None
+        else 0,
+        "accepted": llm.get_metrics().get("spec_decode_num_accepted_tokens", 0),
+    }
     eos = sorted(llm.tokenizer.end_token_ids)
     llm.engine.shutdown()
     return prompts, outputs, replays, eos, drafting
@@ -62,9 +70,12 @@ def test_graphs_match_eager_and_hf_on_cuda(engine):
         assert drafting["draft_replays"] >= MAX_TOKENS // 4
         assert eager_drafting["draft_replays"] == 0
         assert drafting["accepted"] >= 0.95 * eager_drafting["accepted"] > 0, (
-            drafting, eager_drafting)
+            drafting,
+            eager_drafting,
+        )
     problems, ties = tie_rule_mismatches(
-        graphed, [reference_from_output(o.outputs[0]) for o in eager])
+        graphed, [reference_from_output(o.outputs[0]) for o in eager]
+    )
     assert not problems, problems
     assert ties <= 2
     hf = load_hf_model(_model(), torch.float32, "cuda")

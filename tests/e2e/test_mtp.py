@@ -23,8 +23,10 @@ def prompts(llm_cache):
         llm_cache[()] = LLM()
     tokenizer = llm_cache[()].tokenizer
     questions = [q["turns"][0] for q in load_mtbench()[::5]][:16]
-    return [{"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-            for q in questions]
+    return [
+        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
+        for q in questions
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +59,13 @@ def test_mtp_greedy_is_lossless(make_llm, prompts, baseline, k):
 
 
 def test_mtp_lossless_under_preemption_and_prefix_hits(make_llm, prompts, baseline):
-    llm = make_llm(speculative="mtp", num_speculative_tokens=3, speculative_model="dummy",
-                   num_kv_blocks=40, max_num_seqs=16)
+    llm = make_llm(
+        speculative="mtp",
+        num_speculative_tokens=3,
+        speculative_model="dummy",
+        num_kv_blocks=40,
+        max_num_seqs=16,
+    )
     metrics = llm.get_metrics()
     first = llm.generate(prompts, _greedy())
     second = llm.generate(prompts, _greedy())
@@ -73,8 +80,9 @@ class OracleProposer:
     """Wraps the real proposer (which still fills the MTP KV cache) and replaces its drafts
     by the true greedy continuation, with one wrong token every ``wrong_every`` proposals."""
 
-    def __init__(self, inner, runner, continuations: dict[tuple[int, ...], list[int]],
-                 wrong_every: int):
+    def __init__(
+        self, inner, runner, continuations: dict[tuple[int, ...], list[int]], wrong_every: int
+    ):
         # The runner's own request states: with overlap it may draft for a request that the
         # scheduler has just finished.
         self.inner, self.runner, self.continuations = inner, runner, continuations
@@ -104,8 +112,10 @@ class OracleProposer:
 def _run_with_oracle(llm, prompts, baseline, params, wrong_every):
     """Generate with drafts taken from the known greedy continuation."""
     runner = llm.engine.runner
-    continuations = {tuple(p["prompt_token_ids"]): list(b.token_ids)
-                     for p, b in zip(prompts, baseline, strict=True)}
+    continuations = {
+        tuple(p["prompt_token_ids"]): list(b.token_ids)
+        for p, b in zip(prompts, baseline, strict=True)
+    }
     original = runner.proposer
     runner.proposer = OracleProposer(original, runner, continuations, wrong_every)
     try:
@@ -129,16 +139,16 @@ def test_accepted_drafts_match_baseline_and_count(make_llm, prompts, baseline):
 def test_stop_conditions_inside_an_accepted_run(make_llm, prompts, baseline):
     llm = make_llm(speculative="mtp", num_speculative_tokens=3, speculative_model="dummy")
     # max_tokens that ends inside an accepted run is never exceeded.
-    short = _run_with_oracle(llm, prompts[:4], baseline[:4], _greedy(max_tokens=5),
-                             wrong_every=0)
+    short = _run_with_oracle(llm, prompts[:4], baseline[:4], _greedy(max_tokens=5), wrong_every=0)
     for output, expected in zip(short, baseline[:4], strict=True):
         assert output.outputs[0].token_ids == expected.token_ids[:5]
         assert output.outputs[0].finish_reason == "length"
     # A stop token inside an accepted run truncates there.
     stop_token = baseline[0].token_ids[6]
     cut = baseline[0].token_ids.index(stop_token) + 1
-    stopped = _run_with_oracle(llm, prompts[:1], baseline[:1],
-                               _greedy(stop_token_ids=[stop_token]), wrong_every=0)
+    stopped = _run_with_oracle(
+        llm, prompts[:1], baseline[:1], _greedy(stop_token_ids=[stop_token]), wrong_every=0
+    )
     assert stopped[0].outputs[0].token_ids == baseline[0].token_ids[:cut]
     assert stopped[0].outputs[0].finish_reason == "stop"
 

@@ -27,28 +27,44 @@ def prompts(llm_cache):
         llm_cache[()] = LLM()
     tokenizer = llm_cache[()].tokenizer
     questions = [q["turns"][0] for q in load_mtbench()[1::5]][:16]
-    return [{"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-            for q in questions]
+    return [
+        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
+        for q in questions
+    ]
 
 
 def _outputs(llm, prompts, params) -> list[tuple]:
     results = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs,
-             o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in results]
+    return [
+        (
+            o.outputs[0].token_ids,
+            o.outputs[0].text,
+            o.outputs[0].logprobs,
+            o.outputs[0].finish_reason,
+            o.outputs[0].stop_reason,
+        )
+        for o in results
+    ]
 
 
 def _seeded(**kwargs) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_TOKENS,
-                           logprobs=3, **kwargs) for i in range(16)]
+    return [
+        SamplingParams(
+            temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_TOKENS, logprobs=3, **kwargs
+        )
+        for i in range(16)
+    ]
 
 
 PARAMS = {
     "greedy": lambda: SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5),
     "seeded": _seeded,
-    "stop_strings": lambda: SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                           stop=[".", " the"], logprobs=1),
-    "min_tokens": lambda: SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=20,
-                                         stop_token_ids=[13, 28, 30]),
+    "stop_strings": lambda: SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, stop=[".", " the"], logprobs=1
+    ),
+    "min_tokens": lambda: SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=20, stop_token_ids=[13, 28, 30]
+    ),
 }
 
 
@@ -95,8 +111,12 @@ def test_mtp_sampling_and_stops_are_identical_with_overlap(make_llm, prompts, mo
 
 
 def test_overlap_with_preemption_chunked_prefill_and_prefix_hits(make_llm, prompts):
-    engine = {"speculative": "mtp", "num_speculative_tokens": 3, "num_kv_blocks": 48,
-              "max_num_batched_tokens": 64}
+    engine = {
+        "speculative": "mtp",
+        "num_speculative_tokens": 3,
+        "num_kv_blocks": 48,
+        "max_num_batched_tokens": 64,
+    }
     sequential = make_llm(overlap=False, **engine)
     overlapped = make_llm(overlap=True, **engine)
     params = PARAMS["greedy"]()
@@ -156,16 +176,20 @@ def test_aborts_in_flight_leak_nothing_and_free_once(make_llm, prompts, monkeypa
 
 
 @pytest.mark.parametrize("speculative", [None, "mtp"])
-def test_requests_finishing_in_flight_match_and_free_once(make_llm, prompts, monkeypatch,
-                                                          speculative):
+def test_requests_finishing_in_flight_match_and_free_once(
+    make_llm, prompts, monkeypatch, speculative
+):
     """max_tokens of 1..4 and an end token in the accepted run: each request ends while its
     follow-up row is already in flight."""
     engine = {"speculative": speculative, "num_speculative_tokens": 3} if speculative else {}
     overlapped = make_llm(overlap=True, **engine)
     log = _with_free_log(overlapped, monkeypatch)
-    params = [SamplingParams(temperature=0.0, max_tokens=1 + i % 4, logprobs=1)
-              if i % 2 else SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[30])
-              for i in range(16)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=1 + i % 4, logprobs=1)
+        if i % 2
+        else SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[30])
+        for i in range(16)
+    ]
     expected = _outputs(make_llm(overlap=False, **engine), prompts, params)
     assert_same(_outputs(overlapped, prompts, params), expected)
     assert overlapped.engine.block_manager.all_blocks_free()
@@ -176,8 +200,7 @@ HOST_READS = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float_
 
 
 @pytest.mark.parametrize("engine", ["plain", "mtp"])
-def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monkeypatch,
-                                                          engine):
+def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monkeypatch, engine):
     """Every read of a tensor's values on the host (.tolist(), .item(), bool(), ...) outside
     the runner's DeviceReader is counted: there must be none, and the reader waits at most
     once per step, with sampling, logprobs and prompt logprobs all on, plain and with MTP."""
@@ -220,9 +243,17 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
             waits.append(runner.reader.num_waits - before)
 
     waits: list[int] = []
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=16,
-                             logprobs=2, prompt_logprobs=1 if i % 4 == 0 else None,
-                             min_tokens=3) for i in range(16)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.9,
+            seed=i,
+            max_tokens=16,
+            logprobs=2,
+            prompt_logprobs=1 if i % 4 == 0 else None,
+            min_tokens=3,
+        )
+        for i in range(16)
+    ]
     runner.step_ahead = execute_counted
     try:
         llm.generate(prompts, params, use_tqdm=False)
@@ -258,12 +289,26 @@ def test_no_hidden_synchronization_on_cuda():
     not installed."""
     from tandem import LLM
 
-    llm = LLM(model=os.environ.get("TANDEM_MODEL"), device="cuda", overlap=True,
-              speculative="mtp", num_speculative_tokens=3, kv_cache_memory_gb=4)
-    prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": q["turns"][0]}])} for q in load_mtbench()[:16]]
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=16,
-                             logprobs=2) for i in range(16)]
+    llm = LLM(
+        model=os.environ.get("TANDEM_MODEL"),
+        device="cuda",
+        overlap=True,
+        speculative="mtp",
+        num_speculative_tokens=3,
+        kv_cache_memory_gb=4,
+    )
+    prompts = [
+        {
+            "prompt_token_ids": llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": q["turns"][0]}]
+            )
+        }
+        for q in load_mtbench()[:16]
+    ]
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=16, logprobs=2)
+        for i in range(16)
+    ]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: allocations, pinning
     runner = llm.engine.runner
     calls = []
@@ -276,6 +321,7 @@ def test_no_hidden_synchronization_on_cuda():
                 return method(step)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
         return run
 
     # With overlap the engine calls step_ahead (execute only without it): check both.
@@ -299,10 +345,22 @@ def test_overlap_is_identical_on_cuda():
     for engine in ({}, {"speculative": "mtp", "num_speculative_tokens": 3}):
         results = []
         for overlap in (False, True):
-            llm = LLM(model=model, device="cuda", dtype="float32", overlap=overlap,
-                      kv_cache_memory_gb=4, **engine)
-            prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": q["turns"][0]}])} for q in load_mtbench()[:16]]
+            llm = LLM(
+                model=model,
+                device="cuda",
+                dtype="float32",
+                overlap=overlap,
+                kv_cache_memory_gb=4,
+                **engine,
+            )
+            prompts = [
+                {
+                    "prompt_token_ids": llm.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": q["turns"][0]}]
+                    )
+                }
+                for q in load_mtbench()[:16]
+            ]
             results.append(_outputs(llm, prompts, params))
             llm.engine.shutdown()
         assert_same(results[1], results[0])

@@ -29,8 +29,11 @@ LOGPROB_TOLERANCE = 1e-4
 
 def _config(role: str, mtp: bool, timeout_s: float = 30.0) -> EngineConfig:
     spec = SpeculativeConfig("mtp", 3) if mtp else SpeculativeConfig()
-    return EngineConfig(cache=CacheConfig(num_blocks=NUM_BLOCKS), speculative=spec,
-                        disagg=DisaggConfig(role=role, transfer_timeout_s=timeout_s))
+    return EngineConfig(
+        cache=CacheConfig(num_blocks=NUM_BLOCKS),
+        speculative=spec,
+        disagg=DisaggConfig(role=role, transfer_timeout_s=timeout_s),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +67,21 @@ def _params(tokenizer, **kwargs) -> SamplingParams:
     return SamplingParams(eos_token_ids=frozenset(tokenizer.end_token_ids), **kwargs)
 
 
-def _run(engines: list[EngineCore], watch: EngineCore, ids: set[str],
-         deadline_s: float = 120.0) -> dict[str, dict]:
+def _run(
+    engines: list[EngineCore], watch: EngineCore, ids: set[str], deadline_s: float = 120.0
+) -> dict[str, dict]:
     """Step every engine until ``watch`` has finished ``ids``; the updates it reported."""
-    results = {i: {"tokens": [], "logprobs": [], "prompt_logprobs": [], "finish": None,
-                   "stop": None, "error": None} for i in ids}
+    results = {
+        i: {
+            "tokens": [],
+            "logprobs": [],
+            "prompt_logprobs": [],
+            "finish": None,
+            "stop": None,
+            "error": None,
+        }
+        for i in ids
+    }
     start = time.monotonic()
     while any(r["finish"] is None for r in results.values()):
         assert time.monotonic() - start < deadline_s, "requests did not finish in time"
@@ -84,8 +97,9 @@ def _run(engines: list[EngineCore], watch: EngineCore, ids: set[str],
                 result["logprobs"] += update.new_logprobs
                 result["prompt_logprobs"] += update.new_prompt_logprobs
                 if update.finish_reason is not None:
-                    result.update(finish=update.finish_reason, stop=update.stop_reason,
-                                  error=update.error)
+                    result.update(
+                        finish=update.finish_reason, stop=update.stop_reason, error=update.error
+                    )
     return results
 
 
@@ -119,22 +133,24 @@ def _compare(got: dict, want: dict) -> None:
         assert (g["finish"], g["stop"], g["error"]) == (w["finish"], w["stop"], None)
         for kind in ("logprobs", "prompt_logprobs"):
             assert len(g[kind]) == len(w[kind])
-            for (gt, glp, grank, gtop), (wt, wlp, wrank, wtop) in zip(g[kind], w[kind],
-                                                                     strict=True):
+            for (gt, glp, grank, gtop), (wt, wlp, wrank, wtop) in zip(
+                g[kind], w[kind], strict=True
+            ):
                 assert (gt, grank) == (wt, wrank)
                 assert abs(glp - wlp) <= LOGPROB_TOLERANCE
                 assert [t for t, _ in gtop] == [t for t, _ in wtop]
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_decode_instance_reports_what_a_mixed_instance_reports(cores, prompts, tokenizer,
-                                                               sampling):
+def test_decode_instance_reports_what_a_mixed_instance_reports(cores, prompts, tokenizer, sampling):
     mixed, prefill, decode = cores
     if sampling == "greedy":
         params = [_params(tokenizer, temperature=0.0, logprobs=3, prompt_logprobs=2)] * 16
     else:
-        params = [_params(tokenizer, temperature=0.8, top_p=0.95, seed=7 + i, logprobs=2)
-                  for i in range(16)]
+        params = [
+            _params(tokenizer, temperature=0.8, top_p=0.95, seed=7 + i, logprobs=2)
+            for i in range(16)
+        ]
     ids = [f"{sampling}-{i}" for i in range(16)]
     _submit(mixed, ids, prompts, params, None)
     want = _run([mixed], mixed, set(ids))
@@ -146,7 +162,9 @@ def test_decode_instance_reports_what_a_mixed_instance_reports(cores, prompts, t
         assert decode.scheduler.spec_num_drafts - drafts_before >= len(ids)
     assert all(len(got[i]["logprobs"]) == len(got[i]["tokens"]) for i in ids)
     if sampling == "greedy":  # every prompt token but the first has its logprobs
-        assert all(len(got[i]["prompt_logprobs"]) == len(p) - 1 for i, p in zip(ids, prompts))
+        assert all(
+            len(got[i]["prompt_logprobs"]) == len(p) - 1 for i, p in zip(ids, prompts, strict=True)
+        )
     _settle([prefill, decode])
     _assert_no_leak(prefill, decode)
 
@@ -155,8 +173,9 @@ def test_first_token_ends_the_request_on_the_decode_side(cores, prompts, tokeniz
     """EOS as the first token (a stop token id holding the token the model produces
     first), max_tokens = 1: the decode side finishes at once, with that token's logprobs."""
     mixed, prefill, decode = cores
-    _submit(mixed, ["probe"], prompts[:1], [_params(tokenizer, temperature=0.0, max_tokens=1)],
-            None)
+    _submit(
+        mixed, ["probe"], prompts[:1], [_params(tokenizer, temperature=0.0, max_tokens=1)], None
+    )
     first = _run([mixed], mixed, {"probe"})["probe"]["tokens"][0]
     cases = {
         "eos-first": _params(tokenizer, temperature=0.0, stop_token_ids=[first], logprobs=1),
@@ -180,8 +199,13 @@ def test_silent_prefill_instance_times_out_with_an_error(cores, prompts, tokeniz
     _, prefill, decode = cores
     decode.pd.timeout_s = 2.0
     start = time.monotonic()
-    _submit(decode, ["silent"], prompts[:1], [_params(tokenizer, temperature=0.0)],
-            prefill.control_address)
+    _submit(
+        decode,
+        ["silent"],
+        prompts[:1],
+        [_params(tokenizer, temperature=0.0)],
+        prefill.control_address,
+    )
     result = _run([decode], decode, {"silent"})["silent"]
     elapsed = time.monotonic() - start
     assert result["finish"] == "error" and "within 2 s" in result["error"]
@@ -199,8 +223,7 @@ def test_silent_prefill_instance_times_out_with_an_error(cores, prompts, tokeniz
 def test_unreachable_prefill_and_aborts_leak_nothing(cores, prompts, tokenizer):
     _, prefill, decode = cores
     params = [_params(tokenizer, temperature=0.0)] * 3
-    _submit(decode, ["abort-a", "abort-b", "abort-c"], prompts[:3], params,
-            prefill.control_address)
+    _submit(decode, ["abort-a", "abort-b", "abort-c"], prompts[:3], params, prefill.control_address)
     decode.step()  # asks the prefill instance for all three
     decode.abort_request("abort-a")  # before any KV arrived
     _run([prefill, decode], decode, {"abort-b", "abort-c"})

@@ -49,9 +49,20 @@ class Fleet:
         port = free_port()
         with open(os.path.join(self.logs.name, f"{name}.log"), "wb") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "tandem.cli", *args, "--host", "127.0.0.1",
-                 "--port", str(port)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "tandem.cli",
+                    *args,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.urls[name] = f"http://127.0.0.1:{port}"
         return self.urls[name]
 
@@ -88,12 +99,22 @@ def start_pd(fleet: Fleet, mtp: bool, mixed: bool = True) -> None:
     timeout = ["--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)]
     if mixed:
         fleet.start("mixed", ["serve", *ENGINE_ARGS, *spec])
-    prefill = fleet.start("prefill", ["serve", "--role", "prefill", *ENGINE_ARGS, *spec,
-                                      *timeout])
-    decode = fleet.start("decode", ["serve", "--role", "decode", *ENGINE_ARGS, *spec,
-                                    *timeout])
-    fleet.start("router", ["router", "--prefill", prefill, "--decode", decode,
-                           "--health-interval-s", "0.5", "--log-level", "warning"])
+    prefill = fleet.start("prefill", ["serve", "--role", "prefill", *ENGINE_ARGS, *spec, *timeout])
+    decode = fleet.start("decode", ["serve", "--role", "decode", *ENGINE_ARGS, *spec, *timeout])
+    fleet.start(
+        "router",
+        [
+            "router",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--health-interval-s",
+            "0.5",
+            "--log-level",
+            "warning",
+        ],
+    )
     fleet.wait_healthy(*(["mixed"] if mixed else []), "prefill", "decode", "router")
 
 
@@ -125,20 +146,37 @@ def prompts() -> list[list[int]]:
     from tandem.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(resolve_model(None))
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
-            for q in load_mtbench()[3::5][:16]]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
+        for q in load_mtbench()[3::5][:16]
+    ]
 
 
 # ---- helpers -----------------------------------------------------------------------------
 
 
-def complete(base: str, prompt: list[int], stream: bool, headers: dict | None = None,
-             **fields) -> dict:
+def complete(
+    base: str, prompt: list[int], stream: bool, headers: dict | None = None, **fields
+) -> dict:
     """A completion's text, token ids, logprobs and finish reason (streams are joined)."""
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 3,
-            "return_token_ids": True, "stream": stream, **fields}
-    result = {"text": "", "token_ids": [], "tokens": [], "token_logprobs": [],
-              "top_logprobs": [], "finish_reason": None, "error": None}
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": 3,
+        "return_token_ids": True,
+        "stream": stream,
+        **fields,
+    }
+    result = {
+        "text": "",
+        "token_ids": [],
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "finish_reason": None,
+        "error": None,
+    }
     if not stream:
         reply = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=120)
         if reply.status_code != 200:
@@ -146,8 +184,9 @@ def complete(base: str, prompt: list[int], stream: bool, headers: dict | None = 
         choices = [reply.json()["choices"][0]]
     else:
         choices = []
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers,
-                          timeout=120) as reply:
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json=body, headers=headers, timeout=120
+        ) as reply:
             for line in reply.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -188,9 +227,11 @@ def assert_no_block_held(base: str, within_s: float) -> None:
     deadline = time.monotonic() + within_s
     while True:
         m = metrics(base)
-        if (m.get("tandem:num_free_kv_blocks") == m.get("tandem:num_kv_blocks")
-                and m.get("tandem:num_requests_running") == 0
-                and m.get("tandem:num_requests_waiting") == 0):
+        if (
+            m.get("tandem:num_free_kv_blocks") == m.get("tandem:num_kv_blocks")
+            and m.get("tandem:num_requests_running") == 0
+            and m.get("tandem:num_requests_waiting") == 0
+        ):
             return
         assert time.monotonic() < deadline, {k: v for k, v in m.items() if "kv" in k}
         time.sleep(0.25)
@@ -240,12 +281,16 @@ def test_first_token_that_ends_the_request(fleet, prompts):
 
 def test_decode_killed_mid_stream(broken_fleet, prompts):
     urls = broken_fleet.urls
-    body = {"prompt": prompts[0], "max_tokens": 400, "temperature": 0.0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "prompt": prompts[0],
+        "max_tokens": 400,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     events = []
     start = time.monotonic()
-    with httpx.stream("POST", f"{urls['router']}/v1/completions", json=body,
-                      timeout=60) as reply:
+    with httpx.stream("POST", f"{urls['router']}/v1/completions", json=body, timeout=60) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: "):
                 events.append(line)
@@ -264,8 +309,13 @@ def test_prefill_killed_while_it_works(broken_fleet, prompts):
     replies: list[httpx.Response] = []
 
     def send() -> None:
-        replies.append(httpx.post(f"{urls['router']}/v1/completions", timeout=60, json={
-            "prompt": long_prompt, "max_tokens": 8, "temperature": 0.0}))
+        replies.append(
+            httpx.post(
+                f"{urls['router']}/v1/completions",
+                timeout=60,
+                json={"prompt": long_prompt, "max_tokens": 8, "temperature": 0.0},
+            )
+        )
 
     start = time.monotonic()
     sender = threading.Thread(target=send)

@@ -95,9 +95,11 @@ def test_stop_string_spanning_tokens_is_cut_from_text(llm):
 
 
 def test_eos_stops_and_ignore_eos_and_min_tokens(llm):
-    prompt = {"prompt_token_ids": llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say only the word yes."}]
-    )}
+    prompt = {
+        "prompt_token_ids": llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Say only the word yes."}]
+        )
+    }
     natural = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
     assert natural.finish_reason == "stop"
     assert natural.token_ids[-1] in llm.tokenizer.end_token_ids
@@ -107,9 +109,9 @@ def test_eos_stops_and_ignore_eos_and_min_tokens(llm):
         prompt, SamplingParams(temperature=0, max_tokens=n + 5, ignore_eos=True)
     )[0].outputs[0]
     assert len(ignored.token_ids) == n + 5 and ignored.finish_reason == "length"
-    held = llm.generate(
-        prompt, SamplingParams(temperature=0, max_tokens=n + 5, min_tokens=n + 2)
-    )[0].outputs[0]
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n + 5, min_tokens=n + 2))[
+        0
+    ].outputs[0]
     assert len(held.token_ids) >= n + 2
     assert not any(t in llm.tokenizer.end_token_ids for t in held.token_ids[: n + 1])
 
@@ -128,8 +130,10 @@ def test_stop_token_ids_end_the_request(llm):
 
 def test_chat_and_metrics(llm):
     before = llm.get_metrics()
-    outputs = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                       SamplingParams(temperature=0, max_tokens=16))
+    outputs = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=16),
+    )
     assert "Paris" in outputs[0].outputs[0].text
     after = llm.get_metrics()
     assert after["num_requests_finished"] == before["num_requests_finished"] + 1

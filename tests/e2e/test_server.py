@@ -61,9 +61,23 @@ def server(request) -> str:
     log_path = os.path.join(log_dir.name, "server.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(port), "--api-key", API_KEY, "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--api-key",
+                API_KEY,
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -97,8 +111,7 @@ def client(server) -> openai.OpenAI:
 
 
 def async_client(server: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0,
-                              timeout=600)
+    return openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=600)
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -131,9 +144,11 @@ def wait_until_idle(server: str, timeout: float = IDLE_TIMEOUT_S) -> dict[str, f
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(server)
-        idle = (m.get("tandem:num_requests_running") == 0
-                and m.get("tandem:num_requests_waiting") == 0
-                and m.get("tandem:num_free_kv_blocks") == m.get("tandem:num_kv_blocks"))
+        idle = (
+            m.get("tandem:num_requests_running") == 0
+            and m.get("tandem:num_requests_waiting") == 0
+            and m.get("tandem:num_free_kv_blocks") == m.get("tandem:num_kv_blocks")
+        )
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.25)
@@ -162,8 +177,9 @@ def test_health_models_and_metrics(server, client):
     text = httpx.get(f"{server}/metrics").text
     for name in GAUGES:
         assert re.search(rf"^{re.escape(name)}\{{.*\}} \S+$", text, re.MULTILINE), name
-    assert re.search(r'^tandem:request_success_total\{.*finished_reason="(length|stop)"', text,
-                     re.MULTILINE)
+    assert re.search(
+        r'^tandem:request_success_total\{.*finished_reason="(length|stop)"', text, re.MULTILINE
+    )
     m = metrics(server)
     assert m["tandem:num_kv_blocks"] > 0
     assert 0 <= m["tandem:kv_cache_usage_perc"] <= 1
@@ -175,8 +191,7 @@ def test_health_models_and_metrics(server, client):
 
 def test_completion_string_prompt_matches_offline(client, offline):
     expected = greedy(offline, PROMPT, 12)
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
-                                         temperature=0)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     choice = response.choices[0]
     assert response.model == MODEL and response.object == "text_completion"
     assert choice.text == expected.outputs[0].text
@@ -203,8 +218,9 @@ def test_completion_token_id_prompt_matches_offline(client, offline):
 def test_chat_completion_matches_offline(client, offline, messages, max_tokens, finish_reason):
     expected = greedy_chat(offline, messages, max_tokens)
     assert expected.outputs[0].finish_reason == finish_reason  # the premise of the case
-    response = client.chat.completions.create(model=MODEL, messages=messages,
-                                              max_tokens=max_tokens, temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0
+    )
     choice = response.choices[0]
     assert response.object == "chat.completion"
     assert choice.message.role == "assistant"
@@ -217,13 +233,15 @@ def test_chat_completion_matches_offline(client, offline, messages, max_tokens, 
 
 
 def test_max_tokens_is_honoured(client):
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert response.usage.completion_tokens == 5
     assert response.choices[0].finish_reason == "length"
     # Chat accepts max_completion_tokens (the newer name) too.
-    response = client.chat.completions.create(model=MODEL, messages=LONG_ANSWER_CHAT,
-                                              max_completion_tokens=3, temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=LONG_ANSWER_CHAT, max_completion_tokens=3, temperature=0
+    )
     assert response.usage.completion_tokens == 3
     assert response.choices[0].finish_reason == "length"
 
@@ -233,15 +251,22 @@ def test_max_tokens_is_honoured(client):
 
 def test_streaming_completion_joins_to_the_whole_text(client):
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
-    chunks = list(client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     with_choices = [c for c in chunks if c.choices]
     assert len(with_choices) >= 2
     assert "".join(c.choices[0].text for c in with_choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in with_choices[:-1]] == [None] * (
-        len(with_choices) - 1)
+        len(with_choices) - 1
+    )
     assert with_choices[-1].choices[0].finish_reason == "length"
     assert len({c.id for c in chunks}) == 1
     # The usage chunk comes last, with no choices.
@@ -251,13 +276,20 @@ def test_streaming_completion_joins_to_the_whole_text(client):
 
 
 def test_streaming_chat_joins_to_the_whole_text(client, offline):
-    whole = client.chat.completions.create(model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=32,
-                                           temperature=0)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=32, temperature=0
+    )
     assert whole.choices[0].finish_reason == "stop"
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=32, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=SHORT_ANSWER_CHAT,
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     with_choices = [c for c in chunks if c.choices]
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert with_choices[0].choices[0].delta.role == "assistant"
@@ -268,8 +300,11 @@ def test_streaming_chat_joins_to_the_whole_text(client, offline):
     assert chunks[-1].choices == []
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
     # Without include_usage there is no usage chunk.
-    plain = list(client.chat.completions.create(
-        model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=32, temperature=0, stream=True))
+    plain = list(
+        client.chat.completions.create(
+            model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=32, temperature=0, stream=True
+        )
+    )
     assert all(c.usage is None and c.choices for c in plain)
     assert "".join(c.choices[0].delta.content or "" for c in plain) == text
 
@@ -286,12 +321,13 @@ def _check_top(top: list[float], chosen: float, reference: list[float]) -> None:
 
 def test_completion_logprobs_match_offline(client, offline):
     expected = greedy(offline, PROMPT, 8, logprobs=3).outputs[0]
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                         logprobs=3)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3
+    )
     lp = response.choices[0].logprobs
     assert response.choices[0].text == expected.text
     assert len(lp.token_logprobs) == len(expected.token_ids) == 8
-    for i, (token, position) in enumerate(zip(expected.token_ids, expected.logprobs)):
+    for i, (token, position) in enumerate(zip(expected.token_ids, expected.logprobs, strict=True)):
         assert lp.tokens[i] == position[token].decoded_token
         assert lp.token_logprobs[i] == pytest.approx(position[token].logprob, abs=1e-5)
         reference = sorted((p.logprob for p in position.values() if p.rank <= 3), reverse=True)
@@ -301,20 +337,26 @@ def test_completion_logprobs_match_offline(client, offline):
 
 def test_chat_logprobs_match_offline(client, offline):
     expected = greedy_chat(offline, LONG_ANSWER_CHAT, 8, logprobs=3).outputs[0]
-    response = client.chat.completions.create(model=MODEL, messages=LONG_ANSWER_CHAT,
-                                              max_tokens=8, temperature=0, logprobs=True,
-                                              top_logprobs=3)
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=LONG_ANSWER_CHAT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = response.choices[0].logprobs.content
     assert response.choices[0].message.content == expected.text
     assert len(content) == len(expected.token_ids) == 8
-    for entry, token, position in zip(content, expected.token_ids, expected.logprobs):
+    for entry, token, position in zip(content, expected.token_ids, expected.logprobs, strict=True):
         assert entry.token == position[token].decoded_token
         assert entry.logprob == pytest.approx(position[token].logprob, abs=1e-5)
         reference = sorted((p.logprob for p in position.values() if p.rank <= 3), reverse=True)
         _check_top([t.logprob for t in entry.top_logprobs], entry.logprob, reference)
     # logprobs without top_logprobs: the chosen token only.
-    response = client.chat.completions.create(model=MODEL, messages=LONG_ANSWER_CHAT,
-                                              max_tokens=3, temperature=0, logprobs=True)
+    response = client.chat.completions.create(
+        model=MODEL, messages=LONG_ANSWER_CHAT, max_tokens=3, temperature=0, logprobs=True
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == 3 and all(e.top_logprobs == [] for e in content)
 
@@ -324,19 +366,23 @@ def test_chat_logprobs_match_offline(client, offline):
 
 def test_stop_strings_cut_the_text(server, client, offline):
     full = greedy(offline, PROMPT, 16).outputs[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
-    cut = full[:full.index(stop)]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = full[: full.index(stop)]
     assert cut and len(cut) < len(full)
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
-                                         temperature=0, stop=["never appears", stop])
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=["never appears", stop]
+    )
     assert response.choices[0].text == cut
     assert response.choices[0].finish_reason == "stop"
     stopped = greedy(offline, PROMPT, 16, stop=stop).outputs[0]
     assert stopped.text == cut
     assert response.usage.completion_tokens == len(stopped.token_ids) < 16
     # Streamed, the stop string is cut the same way.
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
-                                            temperature=0, stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
     # A request ended by a stop string releases everything it held.
@@ -345,8 +391,13 @@ def test_stop_strings_cut_the_text(server, client, offline):
 
 def test_seed_makes_sampling_reproducible(client):
     def sample(seed: int) -> str:
-        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
-                                         temperature=1.0, seed=seed).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -369,8 +420,11 @@ BAD_REQUESTS = [
     ("completions", {"prompt": PROMPT, "stop": [""]}, "stop"),
     ("completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ("completions", {"max_tokens": 4}, "prompt"),
-    ("chat/completions", {"messages": SHORT_ANSWER_CHAT, "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
+    (
+        "chat/completions",
+        {"messages": SHORT_ANSWER_CHAT, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     ("chat/completions", {"messages": SHORT_ANSWER_CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": SHORT_ANSWER_CHAT, "temperature": -1}, "temperature"),
     ("chat/completions", {"messages": SHORT_ANSWER_CHAT, "max_tokens": 0}, "max_tokens"),
@@ -378,9 +432,11 @@ BAD_REQUESTS = [
     ("chat/completions", {"max_tokens": 4}, "messages"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
-    ("chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "image_url"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "image_url",
+    ),
 ]
 
 
@@ -393,19 +449,27 @@ def _check_error(response: httpx.Response, status: int, words: str) -> dict:
     return error
 
 
-@pytest.mark.parametrize(("path", "body", "words"), BAD_REQUESTS,
-                         ids=[f"{p}-{w}-{i}" for i, (p, _, w) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    BAD_REQUESTS,
+    ids=[f"{p}-{w}-{i}" for i, (p, _, w) in enumerate(BAD_REQUESTS)],
+)
 def test_bad_requests_get_400_with_an_openai_error_body(server, path, body, words):
-    response = httpx.post(f"{server}/v1/{path}", json={"model": MODEL, **body}, headers=AUTH,
-                          timeout=30)
+    response = httpx.post(
+        f"{server}/v1/{path}", json={"model": MODEL, **body}, headers=AUTH, timeout=30
+    )
     error = _check_error(response, 400, words)
     assert error["type"] == "invalid_request_error"
 
 
 def test_malformed_json_is_400_not_500(server):
     for path in ("completions", "chat/completions"):
-        response = httpx.post(f"{server}/v1/{path}", content=b"{not json", timeout=30,
-                              headers={**AUTH, "Content-Type": "application/json"})
+        response = httpx.post(
+            f"{server}/v1/{path}",
+            content=b"{not json",
+            timeout=30,
+            headers={**AUTH, "Content-Type": "application/json"},
+        )
         _check_error(response, 400, "json")
 
 
@@ -415,8 +479,9 @@ def test_errors_through_the_openai_client(client):
     assert e.value.status_code == 400 and "temperature" in e.value.message
     assert e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=SHORT_ANSWER_CHAT, logprobs=True,
-                                       top_logprobs=21)
+        client.chat.completions.create(
+            model=MODEL, messages=SHORT_ANSWER_CHAT, logprobs=True, top_logprobs=21
+        )
     assert "top_logprobs" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
@@ -431,10 +496,10 @@ def test_server_keeps_serving_through_bad_requests(server, client, offline):
 
     async def run() -> str:
         async with async_client(server) as aclient:
-            stream = await aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
-                                                      temperature=0, stream=True)
-            async with httpx.AsyncClient(base_url=f"{server}/v1", headers=AUTH,
-                                         timeout=30) as raw:
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True
+            )
+            async with httpx.AsyncClient(base_url=f"{server}/v1", headers=AUTH, timeout=30) as raw:
                 responses = await asyncio.gather(
                     *[raw.post(f"/{p}", json={"model": MODEL, **b}) for p, b, _ in BAD_REQUESTS],
                     raw.post("/completions", content=b"{not json"),
@@ -476,7 +541,8 @@ def test_200_concurrent_streams_all_finish(server):
 
     async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
         stream = await aclient.completions.create(
-            model=MODEL, prompt=f"Fact {i}:", max_tokens=8, temperature=0, stream=True)
+            model=MODEL, prompt=f"Fact {i}:", max_tokens=8, temperature=0, stream=True
+        )
         text, finish_reason = [], None
         async for chunk in stream:
             text.append(chunk.choices[0].text)
@@ -508,8 +574,13 @@ def test_clients_that_disconnect_mid_stream_are_aborted(server, client):
 
         async def one(aclient: openai.AsyncOpenAI, i: int) -> int:
             stream = await aclient.completions.create(
-                model=MODEL, prompt=f"Story {i}:", max_tokens=1000, temperature=0, stream=True,
-                extra_body={"ignore_eos": True})
+                model=MODEL,
+                prompt=f"Story {i}:",
+                max_tokens=1000,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             n = 0
             async for chunk in stream:
                 assert chunk.choices[0].finish_reason is None

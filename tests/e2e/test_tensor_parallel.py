@@ -41,8 +41,13 @@ def _greedy() -> SamplingParams:
 def _join_group(rank: int, port: int, device: str) -> None:
     from tandem.models.tensor_parallel import init_process_group
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)  # the ranks share the machine's cores
     init_process_group(device)
 
@@ -68,8 +73,10 @@ def _run_ranks(task, device: str = "cpu") -> dict:
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, port, results, task, device))
-                 for rank in range(WORLD_SIZE)]
+    processes = [
+        context.Process(target=_rank_main, args=(rank, port, results, task, device))
+        for rank in range(WORLD_SIZE)
+    ]
     for process in processes:
         process.start()
     try:
@@ -98,8 +105,9 @@ def _generate_per_engine(tokenizer: str, rank: int, device: str = "cpu") -> dict
     if device == "cuda":
         device = f"cuda:{rank}"
     for name, options in ENGINES.items():
-        llm = LLM(tokenizer=tokenizer, tensor_parallel_size=WORLD_SIZE, device=device, **COMMON,
-                  **options)
+        llm = LLM(
+            tokenizer=tokenizer, tensor_parallel_size=WORLD_SIZE, device=device, **COMMON, **options
+        )
         generated = llm.generate(_prompts(), _greedy(), use_tqdm=False)
         outputs[name] = (generated, llm.get_metrics()["spec_decode_num_drafts"])
         llm.engine.shutdown()
@@ -124,8 +132,13 @@ def tp_outputs(tokenizer_dir) -> dict:
 
 
 def _summary(outputs) -> list:
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in entry.items()}
-                                      for entry in o.outputs[0].logprobs]) for o in outputs]
+    return [
+        (
+            o.outputs[0].token_ids,
+            [{t: lp.logprob for t, lp in entry.items()} for entry in o.outputs[0].logprobs],
+        )
+        for o in outputs
+    ]
 
 
 def test_ranks_return_the_same_outputs(tp_outputs):
@@ -163,8 +176,9 @@ def _vocab_parallel_errors(rank: int) -> tuple[float, float]:
     from tandem.models.tensor_parallel import shard_model
 
     torch.manual_seed(0)
-    model = LlamaModel(replace(dummy_preset("tiny"), vocab_size=511, tie_word_embeddings=True),
-                       64).requires_grad_(False)
+    model = LlamaModel(
+        replace(dummy_preset("tiny"), vocab_size=511, tie_word_embeddings=True), 64
+    ).requires_grad_(False)
     token_ids = torch.tensor([0, 1, 255, 256, 257, 509, 510])
     hidden = torch.randn(3, 64)
     with torch.inference_mode():
@@ -173,8 +187,10 @@ def _vocab_parallel_errors(rank: int) -> tuple[float, float]:
         shard_model(model, rank, WORLD_SIZE)
         embeds, logits = model.embed_tokens(token_ids), model.compute_logits(hidden)
     assert logits.shape == (3, 511)
-    return (float((embeds - expected_embeds).abs().max()),
-            float((logits - expected_logits).abs().max()))
+    return (
+        float((embeds - expected_embeds).abs().max()),
+        float((logits - expected_logits).abs().max()),
+    )
 
 
 def test_vocab_parallel_layers_pad_and_gather_exactly():
@@ -188,8 +204,9 @@ def test_vocab_parallel_layers_pad_and_gather_exactly():
 def test_tensor_parallel_on_two_gpus_matches_one(tokenizer_dir):
     """NCCL between two GPUs, CUDA graphs on (their all-reduces captured): fp32 greedy
     equal to one GPU's engine under the tie rule, plain and with MTP."""
-    by_rank = _run_ranks(functools.partial(_generate_per_engine, tokenizer_dir, device="cuda"),
-                         device="cuda")
+    by_rank = _run_ranks(
+        functools.partial(_generate_per_engine, tokenizer_dir, device="cuda"), device="cuda"
+    )
     for name, options in ENGINES.items():
         one_gpu = LLM(tokenizer=tokenizer_dir, device="cuda", **COMMON, **options)
         baseline = one_gpu.generate(_prompts(), _greedy(), use_tqdm=False)

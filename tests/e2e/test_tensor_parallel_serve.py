@@ -35,8 +35,12 @@ def _greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, logprobs=2, **kwargs)
 
 
-async def _collect(client: AsyncEngineClient, prompt: list[int], params: SamplingParams,
-                   max_outputs: int | None = None) -> SimpleNamespace:
+async def _collect(
+    client: AsyncEngineClient,
+    prompt: list[int],
+    params: SamplingParams,
+    max_outputs: int | None = None,
+) -> SimpleNamespace:
     """The request's outputs summed up (stops reading after ``max_outputs`` deltas, which
     aborts the request)."""
     tokens, logprobs, text, finish = [], [], "", None
@@ -48,8 +52,9 @@ async def _collect(client: AsyncEngineClient, prompt: list[int], params: Samplin
         finish = completion.finish_reason
         if max_outputs is not None and index + 1 >= max_outputs:
             break
-    completion = SimpleNamespace(token_ids=tokens, logprobs=logprobs, text=text,
-                                 finish_reason=finish)
+    completion = SimpleNamespace(
+        token_ids=tokens, logprobs=logprobs, text=text, finish_reason=finish
+    )
     return SimpleNamespace(outputs=[completion])
 
 
@@ -64,8 +69,11 @@ async def _idle(client: AsyncEngineClient) -> dict:
     """The leader's stats once it reports every KV block free (or after 20 s)."""
     for _ in range(200):
         stats = client.stats
-        if (stats.get("num_free_kv_blocks") == client.info["num_kv_blocks"]
-                and stats.get("num_running") == 0 and stats.get("num_waiting") == 0):
+        if (
+            stats.get("num_free_kv_blocks") == client.info["num_kv_blocks"]
+            and stats.get("num_running") == 0
+            and stats.get("num_waiting") == 0
+        ):
             break
         await asyncio.sleep(0.1)
     return client.stats
@@ -90,8 +98,7 @@ def test_two_ranks_serve_what_one_engine_generates(make_llm, tp_client):
         return await asyncio.gather(*(_collect(client, p, _greedy()) for p in _prompts()))
 
     outputs = loop.run_until_complete(asyncio.wait_for(run(), TIMEOUT_S))
-    baseline = make_llm(**COMMON).generate([{"prompt_token_ids": p} for p in _prompts()],
-                                           _greedy())
+    baseline = make_llm(**COMMON).generate([{"prompt_token_ids": p} for p in _prompts()], _greedy())
     references = [reference_from_output(o.outputs[0]) for o in baseline]
     problems, _ = tie_rule_mismatches(outputs, references, TOLERANCE)
     assert not problems, problems
@@ -116,8 +123,9 @@ def test_aborts_and_stop_strings_keep_the_ranks_in_step(make_llm, tp_client):
     assert with_stop.outputs[0].finish_reason == "stop"
     assert stop not in with_stop.outputs[0].text
     expected = make_llm(**COMMON).generate([{"prompt_token_ids": prompts[5]}], _greedy())
-    problems, _ = tie_rule_mismatches([after], [reference_from_output(expected[0].outputs[0])],
-                                      TOLERANCE)
+    problems, _ = tie_rule_mismatches(
+        [after], [reference_from_output(expected[0].outputs[0])], TOLERANCE
+    )
     assert not problems, problems
     stats = loop.run_until_complete(_idle(client))
     assert stats.get("num_free_kv_blocks") == client.info["num_kv_blocks"], stats
@@ -128,8 +136,9 @@ def test_a_dead_rank_fails_requests_instead_of_hanging(tp_client):
     loop, client = tp_client
 
     async def run():
-        task = asyncio.ensure_future(_collect(
-            client, _prompts()[0], _greedy(ignore_eos=True, max_tokens=400)))
+        task = asyncio.ensure_future(
+            _collect(client, _prompts()[0], _greedy(ignore_eos=True, max_tokens=400))
+        )
         await asyncio.sleep(0.5)
         os.kill(client._processes[1].pid, signal.SIGKILL)
         return await task

@@ -27,20 +27,39 @@ def interpreter():
 
 
 def _run(backend: str, **engine) -> list:
-    llm = LLM(model="dummy:tiny", device=DEVICE, dtype="float32", attention_backend=backend,
-              max_num_batched_tokens=48, **engine)
-    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)]}
-               for i in range(6)]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, logprobs=3),
-                           use_tqdm=False)
+    llm = LLM(
+        model="dummy:tiny",
+        device=DEVICE,
+        dtype="float32",
+        attention_backend=backend,
+        max_num_batched_tokens=48,
+        **engine,
+    )
+    prompts = [
+        {"prompt_token_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(5 + 9 * i)]}
+        for i in range(6)
+    ]
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6, logprobs=3), use_tqdm=False
+    )
     llm.engine.shutdown()
-    return [(o.outputs[0].token_ids, [{t: round(lp.logprob, 5) for t, lp in entry.items()}
-                                      for entry in o.outputs[0].logprobs]) for o in outputs]
+    return [
+        (
+            o.outputs[0].token_ids,
+            [
+                {t: round(lp.logprob, 5) for t, lp in entry.items()}
+                for entry in o.outputs[0].logprobs
+            ],
+        )
+        for o in outputs
+    ]
 
 
-@pytest.mark.parametrize("engine", [{}, {"speculative": "mtp", "num_speculative_tokens": 2,
-                                         "speculative_model": "dummy"}],
-                         ids=["plain", "mtp"])
+@pytest.mark.parametrize(
+    "engine",
+    [{}, {"speculative": "mtp", "num_speculative_tokens": 2, "speculative_model": "dummy"}],
+    ids=["plain", "mtp"],
+)
 def test_triton_backend_matches_torch_backend(interpreter, engine):
     expected = _run("torch", **engine)
     got = _run("triton", **engine)

@@ -66,8 +66,9 @@ def test_paged_attention_matches_naive(seed, query_lens, computed):
     metadata = backend.build_metadata(
         query_lens, seq_lens, tables, torch.tensor(slots), BLOCK_SIZE, torch.device("cpu")
     )
-    out = backend.forward(q, torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, metadata,
-                          HEAD_DIM**-0.5)
+    out = backend.forward(
+        q, torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, metadata, HEAD_DIM**-0.5
+    )
     offset = 0
     for (hk, hv), c, n, q_part in zip(histories, computed, query_lens, q_parts, strict=True):
         expected = naive_attention(q_part, hk[: c + n], hv[: c + n], c)

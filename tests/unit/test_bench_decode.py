@@ -51,8 +51,12 @@ def test_busy_fraction_empty_and_degenerate():
 def test_parse_modes_round_trips_names():
     names = ["plain", "overlap", "mtp", "mtp+overlap"]
     modes = parse_modes(",".join(names))
-    assert modes == [{"overlap": False, "mtp": False}, {"overlap": True, "mtp": False},
-                     {"overlap": False, "mtp": True}, {"overlap": True, "mtp": True}]
+    assert modes == [
+        {"overlap": False, "mtp": False},
+        {"overlap": True, "mtp": False},
+        {"overlap": False, "mtp": True},
+        {"overlap": True, "mtp": True},
+    ]
     assert [mode_name(m) for m in modes] == names
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("plain,turbo")
@@ -88,8 +92,9 @@ def test_device_intervals_keeps_kernels_memcpys_and_memsets_only():
         _FakeKinetoEvent("gemm", DeviceType.CUDA, "kernel", base + 1000, base + 3000),
         _FakeKinetoEvent("Memcpy HtoD", DeviceType.CUDA, "gpu_memcpy", base + 4000, base + 4500),
         _FakeKinetoEvent("Memset", DeviceType.CUDA, "gpu_memset", base + 5000, base + 5001),
-        _FakeKinetoEvent("step", DeviceType.CUDA, "gpu_user_annotation", base, base + 9000,
-                         annotation=True),
+        _FakeKinetoEvent(
+            "step", DeviceType.CUDA, "gpu_user_annotation", base, base + 9000, annotation=True
+        ),
         _FakeKinetoEvent("[memory]", DeviceType.CUDA, "cpu_instant_event", base, base + 10),
     ]
     results = SimpleNamespace(events=lambda: events)
@@ -108,8 +113,9 @@ def test_kernel_totals_ranks_device_ops_by_total_time():
         _FakeKinetoEvent("aten::mm", DeviceType.CPU, "cpu_op", 0, 90000),  # host: not counted
         _FakeKinetoEvent("Memcpy HtoD", DeviceType.CUDA, "gpu_memcpy", 7000, 8000),
     ]
-    prof = SimpleNamespace(profiler=SimpleNamespace(
-        kineto_results=SimpleNamespace(events=lambda: events)))
+    prof = SimpleNamespace(
+        profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
+    )
     assert kernel_totals(prof) == [
         {"name": "gemm", "count": 2, "total_us": 5.0},
         {"name": "Memcpy HtoD", "count": 1, "total_us": 1.0},
@@ -134,9 +140,11 @@ class _FakeProfile:
 
 def test_profiled_generate_idle_fraction(monkeypatch):
     # Kernels busy [0, 3) and [5, 10) us of a 10 us window: idle 20%.
-    events = [_FakeKinetoEvent("k1", DeviceType.CUDA, "kernel", 0, 2000),
-              _FakeKinetoEvent("k2", DeviceType.CUDA, "kernel", 1000, 3000),
-              _FakeKinetoEvent("k3", DeviceType.CUDA, "gpu_memcpy", 5000, 10000)]
+    events = [
+        _FakeKinetoEvent("k1", DeviceType.CUDA, "kernel", 0, 2000),
+        _FakeKinetoEvent("k2", DeviceType.CUDA, "kernel", 1000, 3000),
+        _FakeKinetoEvent("k3", DeviceType.CUDA, "gpu_memcpy", 5000, 10000),
+    ]
     monkeypatch.setattr(torch.profiler, "profile", lambda activities: _FakeProfile(events))
     llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm: [])
     result = decode._profiled_generate(llm, [], None, "cpu")
@@ -151,8 +159,9 @@ def test_profiled_generate_idle_fraction(monkeypatch):
 
 
 def test_cli_registers_bench_decode():
-    args = build_parser().parse_args(["bench", "decode", "--model", "dummy:tiny",
-                                      "--modes", "plain,mtp+overlap"])
+    args = build_parser().parse_args(
+        ["bench", "decode", "--model", "dummy:tiny", "--modes", "plain,mtp+overlap"]
+    )
     assert args.batch_sizes == "1,8,64" and args.max_tokens == 256
     assert args.handler.__module__ == "tandem.bench.decode"
 
@@ -161,15 +170,21 @@ def test_run_decode_bench_on_cpu(tmp_path, capsys, monkeypatch):
     # Each mode builds its own engine; load the (borrowed) tokenizer once, not per engine.
     loaded: dict[str, Tokenizer] = {}
     load = Tokenizer.from_model_path
-    monkeypatch.setattr(Tokenizer, "from_model_path",
-                        staticmethod(lambda path: loaded.get(path) or loaded.setdefault(
-                            path, load(path))))
+    monkeypatch.setattr(
+        Tokenizer,
+        "from_model_path",
+        staticmethod(lambda path: loaded.get(path) or loaded.setdefault(path, load(path))),
+    )
     results = run_decode_bench(
         "dummy:tiny", [1, 2], 4, parse_modes("plain,overlap"), "cpu", None, str(tmp_path)
     )
     runs = results["runs"]
     assert [(r["mode"], r["batch_size"]) for r in runs] == [
-        ("plain", 1), ("plain", 2), ("overlap", 1), ("overlap", 2)]
+        ("plain", 1),
+        ("plain", 2),
+        ("overlap", 1),
+        ("overlap", 2),
+    ]
     for run in runs:
         assert run["output_tokens"] == run["batch_size"] * 4
         assert run["tokens_per_s"] > 0

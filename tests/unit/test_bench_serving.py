@@ -123,11 +123,19 @@ def fresh(server) -> tuple[str, dict[str, Any]]:
     return base, state
 
 
-def _config(base: str, tmp_path, prompts: list[str | list[int]], output_len: int = 4,
-            **kwargs: Any) -> ServeConfig:
+def _config(
+    base: str, tmp_path, prompts: list[str | list[int]], output_len: int = 4, **kwargs: Any
+) -> ServeConfig:
     reqs = [BenchRequest(p, 3, output_len) for p in prompts]
-    return ServeConfig(base_url=base, requests=reqs, num_prompts=len(reqs), dataset="random",
-                       out_dir=str(tmp_path), disable_tqdm=True, **kwargs)
+    return ServeConfig(
+        base_url=base,
+        requests=reqs,
+        num_prompts=len(reqs),
+        dataset="random",
+        out_dir=str(tmp_path),
+        disable_tqdm=True,
+        **kwargs,
+    )
 
 
 def test_latency_stats_known_values():
@@ -141,8 +149,9 @@ def test_latency_stats_known_values():
 
 def test_tpot_and_compute_metrics():
     a = RequestRecord(10, 5, success=True, ttft=0.1, e2e=0.5, itl=[0.1] * 4, output_tokens=5)
-    b = RequestRecord(20, 3, success=True, ttft=0.3, e2e=0.5, itl=[0.2], output_tokens=2,
-                      prompt_tokens=25)
+    b = RequestRecord(
+        20, 3, success=True, ttft=0.3, e2e=0.5, itl=[0.2], output_tokens=2, prompt_tokens=25
+    )
     one = RequestRecord(4, 1, success=True, ttft=0.2, e2e=0.2, output_tokens=1)
     failed = RequestRecord(99, 9, error="HTTP 500")
     assert tpot(a) == pytest.approx(0.1)  # (0.5 - 0.1) / (5 - 1)
@@ -225,8 +234,7 @@ def test_unreachable_server_fails_requests(tmp_path):
 
 def test_poisson_send_times_follow_the_seeded_schedule(fresh, tmp_path):
     base, _ = fresh
-    config = _config(base, tmp_path, ["p"] * 6, output_len=2, request_rate=20.0, seed=5,
-                     save=False)
+    config = _config(base, tmp_path, ["p"] * 6, output_len=2, request_rate=20.0, seed=5, save=False)
     result = asyncio.run(run_benchmark(config))
     expected = arrival_offsets(6, 20.0, 5)
     sent = [r["send_s"] for r in result["records"]]
@@ -243,8 +251,7 @@ def test_max_concurrency_limits_requests_in_flight(fresh, tmp_path):
 
 def test_chat_endpoint_counts_chunks_without_usage(fresh, tmp_path):
     base, state = fresh
-    config = _config(base, tmp_path, ["nousage please"], output_len=5, endpoint="chat",
-                     save=False)
+    config = _config(base, tmp_path, ["nousage please"], output_len=5, endpoint="chat", save=False)
     result = asyncio.run(run_benchmark(config))
     rec = result["records"][0]
     assert rec["success"] and rec["output_tokens"] == 5 and rec["prompt_tokens"] is None
@@ -260,13 +267,30 @@ def test_cli_defaults_and_main(fresh, tmp_path, monkeypatch):
     defaults = parser.parse_args([])
     assert defaults.request_rate == math.inf and defaults.max_concurrency is None
     assert (defaults.endpoint, defaults.dataset, defaults.num_prompts) == (
-        "completions", "sharegpt", 100)
+        "completions",
+        "sharegpt",
+        100,
+    )
     assert defaults.out_dir == os.path.join("benchmarks", "results")
-    args = parser.parse_args(["--base-url", f"{base}/v1", "--dataset", "random",
-                              "--num-prompts", "3", "--out-dir", str(tmp_path),
-                              "--request-rate", "50", "--label", "cli run"])
-    monkeypatch.setattr(serving, "build_requests",
-                        lambda config: [BenchRequest("hi", 1, 2)] * config.num_prompts)
+    args = parser.parse_args(
+        [
+            "--base-url",
+            f"{base}/v1",
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "3",
+            "--out-dir",
+            str(tmp_path),
+            "--request-rate",
+            "50",
+            "--label",
+            "cli run",
+        ]
+    )
+    monkeypatch.setattr(
+        serving, "build_requests", lambda config: [BenchRequest("hi", 1, 2)] * config.num_prompts
+    )
     assert serving.main_from_args(args) == 0
     names = sorted(os.listdir(tmp_path))
     assert len(names) == 2 and names[0].startswith("serve-cli_run-")

@@ -26,14 +26,32 @@ def test_summary_splits_time_by_step_shape():
     assert summary["decode_only_steps"] == 2
     assert summary["time_in_decode_only_steps_s"] == 0.75
     assert summary["mean_rows_in_decode_only_steps"] == 21.5
-    assert summary["series"] == [[3, 1, 1000.0, 0.0, 0.0, 500.0, 750.0],
-                                 [3, 0, 500.0, 0.0, 0.0, 250.0, 500.0],
-                                 [40, 0, 250.0, 0.0, 0.0, 0.0, 125.0]]
+    assert summary["series"] == [
+        [3, 1, 1000.0, 0.0, 0.0, 500.0, 750.0],
+        [3, 0, 500.0, 0.0, 0.0, 250.0, 500.0],
+        [40, 0, 250.0, 0.0, 0.0, 0.0, 125.0],
+    ]
     assert summary["decode_only_steps_by_rows"] == [
-        {"rows": "1-8", "steps": 1, "time_s": 0.5, "mean_step_ms": 500.0, "host_wait_s": 0.25,
-         "device_s": 0.5, "schedule_s": 0.0, "launch_s": 0.0},
-        {"rows": "33-64", "steps": 1, "time_s": 0.25, "mean_step_ms": 250.0,
-         "host_wait_s": 0.0, "device_s": 0.125, "schedule_s": 0.0, "launch_s": 0.0},
+        {
+            "rows": "1-8",
+            "steps": 1,
+            "time_s": 0.5,
+            "mean_step_ms": 500.0,
+            "host_wait_s": 0.25,
+            "device_s": 0.5,
+            "schedule_s": 0.0,
+            "launch_s": 0.0,
+        },
+        {
+            "rows": "33-64",
+            "steps": 1,
+            "time_s": 0.25,
+            "mean_step_ms": 250.0,
+            "host_wait_s": 0.0,
+            "device_s": 0.125,
+            "schedule_s": 0.0,
+            "launch_s": 0.0,
+        },
     ]
 
 
@@ -41,16 +59,20 @@ def test_engine_logs_each_applied_step(make_llm):
     llm = make_llm(model="dummy:tiny", device="cpu", max_num_batched_tokens=16)
     engine = llm.engine
     # Work before the log starts: none of its time may land in the first record.
-    llm.generate([{"prompt_token_ids": list(range(100, 140))}],
-                 SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": list(range(100, 140))}],
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20),
+        use_tqdm=False,
+    )
     steps_before = engine.metrics()["num_steps"]
     launch_before, schedule_before = engine.runner.launch_seconds, engine._schedule_seconds
     with recording_steps(engine) as log:
         # 20 + 30 prompt tokens in chunks of at most 16 per step, then decode rows.
-        llm.generate([{"prompt_token_ids": list(range(1, 21))},
-                      {"prompt_token_ids": list(range(1, 31))}],
-                     SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=5),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": list(range(1, 21))}, {"prompt_token_ids": list(range(1, 31))}],
+            SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=5),
+            use_tqdm=False,
+        )
     assert engine.step_log is None  # recording ends with the block
     assert len(log) == engine.metrics()["num_steps"] - steps_before
     assert all(r.num_tokens <= 16 for r in log)

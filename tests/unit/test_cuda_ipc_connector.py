@@ -33,8 +33,10 @@ def make_caches(seed: int, dtype: torch.dtype, device: str = "cpu") -> list[torc
     """Random per-layer caches shaped (2, NUM_BLOCKS, block_size, num_kv_heads, head_dim)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (2, NUM_BLOCKS, 4, 2, 8)
-    return [torch.randn(shape, generator=generator).to(dtype=dtype, device=device)
-            for _ in range(NUM_LAYERS)]
+    return [
+        torch.randn(shape, generator=generator).to(dtype=dtype, device=device)
+        for _ in range(NUM_LAYERS)
+    ]
 
 
 def _receiver(dtype: torch.dtype, descriptors, results, done) -> None:
@@ -51,8 +53,9 @@ def _receiver(dtype: torch.dtype, descriptors, results, done) -> None:
         for src_cache, dst_cache in zip(make_caches(0, dtype), expected, strict=True):
             dst_cache[:, DST_BLOCKS] = src_cache[:, SRC_BLOCKS]
         torch.cuda.synchronize()
-        same = all(torch.equal(cache.cpu(), want) for cache, want in zip(caches, expected,
-                                                                          strict=True))
+        same = all(
+            torch.equal(cache.cpu(), want) for cache, want in zip(caches, expected, strict=True)
+        )
         results.put("ok" if same else "receiver: caches differ from the expected blocks")
         connector.close()
     except Exception as error:  # noqa: BLE001 (reported to the test, which fails)
@@ -80,8 +83,10 @@ def _sender(dtype: torch.dtype, descriptors, results, done) -> None:
 def test_write_blocks_between_processes(dtype):
     context = multiprocessing.get_context("spawn")
     descriptors, results, done = context.Queue(), context.Queue(), context.Event()
-    processes = [context.Process(target=target, args=(dtype, descriptors, results, done))
-                 for target in (_receiver, _sender)]
+    processes = [
+        context.Process(target=target, args=(dtype, descriptors, results, done))
+        for target in (_receiver, _sender)
+    ]
     for process in processes:
         process.start()
     try:
@@ -120,8 +125,25 @@ def test_make_kv_connector_and_kind_check():
 
 def test_handles_unpickle_only_torch_tensor_metadata():
     cache = make_caches(0, torch.bfloat16)[0]
-    args = [(type(cache), cache.size(), cache.stride(), 0, type(cache._typed_storage()),
-             cache.dtype, 0, b"handle", 64, 0, False, b"counter", 0, b"event", True)]
+    args = [
+        (
+            type(cache),
+            cache.size(),
+            cache.stride(),
+            0,
+            type(cache._typed_storage()),
+            cache.dtype,
+            0,
+            b"handle",
+            64,
+            0,
+            False,
+            b"counter",
+            0,
+            b"event",
+            True,
+        )
+    ]
     assert _HandleUnpickler(io.BytesIO(pickle.dumps(args))).load() == args
     with pytest.raises(pickle.UnpicklingError, match="not allowed"):
         _HandleUnpickler(io.BytesIO(pickle.dumps([os.system]))).load()

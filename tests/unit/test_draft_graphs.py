@@ -31,8 +31,9 @@ def _proposer():
     shape = (2, NUM_BLOCKS + 1, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
     generator = torch.Generator().manual_seed(1)
     caches = [torch.randn(shape, generator=generator) for _ in range(head.num_layers)]
-    return MTPProposer(head, model, caches, TritonAttentionBackend(), BLOCK_SIZE,
-                       torch.device("cpu"))
+    return MTPProposer(
+        head, model, caches, TritonAttentionBackend(), BLOCK_SIZE, torch.device("cpu")
+    )
 
 
 def _rows(num_drafts: list[int]) -> list[ProposalRow]:
@@ -42,16 +43,26 @@ def _rows(num_drafts: list[int]) -> list[ProposalRow]:
     rows, offset = [], 0
     for (blocks, start, kept), drafts in zip(specs, num_drafts, strict=True):
         positions = list(range(start, start + kept))
-        rows.append(ProposalRow(f"r{len(rows)}", positions,
-                                list(range(offset, offset + kept)),
-                                [(11 * p + 3) % 50 for p in positions], blocks, drafts))
+        rows.append(
+            ProposalRow(
+                f"r{len(rows)}",
+                positions,
+                list(range(offset, offset + kept)),
+                [(11 * p + 3) % 50 for p in positions],
+                blocks,
+                drafts,
+            )
+        )
         offset += kept
     return rows
 
 
 def _propose(proposer, rows, hidden, params=None):
-    sampling = {r.request_id: (params or SamplingParams(temperature=0.0), None)
-                for r in rows if r.num_drafts}
+    sampling = {
+        r.request_id: (params or SamplingParams(temperature=0.0), None)
+        for r in rows
+        if r.num_drafts
+    }
     with torch.inference_mode():
         proposal = proposer.propose(rows, hidden, sampling, None)
     return proposal.draft_token_ids
@@ -61,8 +72,9 @@ def test_chained_drafts_equal_eager_drafts_and_cache():
     eager, chained = _proposer(), _proposer()
     chained.graphs = DraftGraphRunner(chained, K, MAX_MODEL_LEN, 8, SCRATCH)
     rows = _rows([K, K, K])
-    hidden = torch.randn((9, eager.model.arch.hidden_size), generator=torch.Generator()
-                         .manual_seed(2))
+    hidden = torch.randn(
+        (9, eager.model.arch.hidden_size), generator=torch.Generator().manual_seed(2)
+    )
     want, got = _propose(eager, rows, hidden), _propose(chained, rows, hidden)
     assert chained.graphs.padded_size(3) == 4  # one padding row
     for request_id, drafts in want.items():
@@ -70,8 +82,9 @@ def test_chained_drafts_equal_eager_drafts_and_cache():
         assert torch.equal(got[request_id], drafts), request_id
     for want_cache, got_cache in zip(eager.kv_caches, chained.kv_caches, strict=True):
         # Real blocks hold the same KV; the padding row wrote only the scratch block.
-        torch.testing.assert_close(got_cache[:, :NUM_BLOCKS], want_cache[:, :NUM_BLOCKS],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            got_cache[:, :NUM_BLOCKS], want_cache[:, :NUM_BLOCKS], rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("case", ["short", "sampled", "too_many_rows"])
@@ -79,22 +92,27 @@ def test_eager_drafting_where_no_chain_applies(case):
     """A request drafting fewer than k tokens, a sampled request or more rows than the
     largest graph: the chain is not used (the drafts equal the eager proposer's)."""
     eager, chained = _proposer(), _proposer()
-    chained.graphs = DraftGraphRunner(chained, K, MAX_MODEL_LEN, 2 if case == "too_many_rows"
-                                      else 8, SCRATCH)
+    chained.graphs = DraftGraphRunner(
+        chained, K, MAX_MODEL_LEN, 2 if case == "too_many_rows" else 8, SCRATCH
+    )
     calls = []
     original = chained.graphs.run
     chained.graphs.run = lambda *args: calls.append(1) or original(*args)
     rows = _rows([K, 2, K] if case == "short" else [K, K, K])
-    params = (SamplingParams(temperature=0.8, seed=5) if case == "sampled" else None)
-    hidden = torch.randn((9, eager.model.arch.hidden_size), generator=torch.Generator()
-                         .manual_seed(3))
+    params = SamplingParams(temperature=0.8, seed=5) if case == "sampled" else None
+    hidden = torch.randn(
+        (9, eager.model.arch.hidden_size), generator=torch.Generator().manual_seed(3)
+    )
     want, got = _propose(eager, rows, hidden, params), _propose(chained, rows, hidden, params)
     assert calls == []
     if case == "too_many_rows":  # run itself refuses them
         with pytest.raises(ValueError, match="largest draft graph"):
-            original([7, 13, 6], [[2, 9, 4], [5, 1, 10, 3], [0, 6, 11]],
-                     torch.zeros(3, dtype=torch.long),
-                     torch.zeros((3, eager.model.arch.hidden_size)))
+            original(
+                [7, 13, 6],
+                [[2, 9, 4], [5, 1, 10, 3], [0, 6, 11]],
+                torch.zeros(3, dtype=torch.long),
+                torch.zeros((3, eager.model.arch.hidden_size)),
+            )
     if case != "sampled":  # sampled drafts draw from generators that differ between runs
         for request_id, drafts in want.items():
             assert torch.equal(got[request_id], drafts), request_id

@@ -12,8 +12,9 @@ from tandem.server.engine_client import SEND_CHECK_S, AsyncEngineClient, EngineD
 
 
 def _process(alive: bool) -> SimpleNamespace:
-    return SimpleNamespace(name="rank", is_alive=lambda: alive, join=lambda timeout=None: None,
-                           kill=lambda: None)
+    return SimpleNamespace(
+        name="rank", is_alive=lambda: alive, join=lambda timeout=None: None, kill=lambda: None
+    )
 
 
 @pytest.fixture

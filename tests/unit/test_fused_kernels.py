@@ -8,8 +8,10 @@ from tandem.layers import fused
 from tandem.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs triton")
-TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
-             torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
+TOLERANCE = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -32,8 +34,12 @@ def test_rms_norm(dtype, hidden, with_residual):
 def test_rms_norm_of_a_strided_view():
     x = torch.randn(5, 3, 96)[:, 1]  # rows 288 elements apart
     weight = torch.rand(96) + 0.5
-    torch.testing.assert_close(fused.rms_norm(x, weight, 1e-6, use_triton=True),
-                               fused.rms_norm_reference(x, weight, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fused.rms_norm(x, weight, 1e-6, use_triton=True),
+        fused.rms_norm_reference(x, weight, 1e-6),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -43,14 +49,16 @@ def test_rotary_on_the_fused_qkv_view(dtype, head_dim):
     num_heads, num_kv_heads, tokens = 6, 2, 9
     rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
     generator = torch.Generator().manual_seed(head_dim)
-    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim,
-                      generator=generator).to(dtype)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(
+        dtype
+    )
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(tokens, -1, head_dim)
     positions = torch.randint(0, 512, (tokens,), generator=generator)
     cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
     got = fused.rotary(qk, positions, cos, sin, use_triton=True)
-    torch.testing.assert_close(got, fused.rotary_reference(qk, positions, cos, sin),
-                               **TOLERANCE[dtype])
+    torch.testing.assert_close(
+        got, fused.rotary_reference(qk, positions, cos, sin), **TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -59,30 +67,36 @@ def test_rotary_store_kv_rotates_queries_and_fills_only_the_given_slots(dtype, h
     num_heads, num_kv_heads, tokens, num_blocks, block_size = 6, 2, 9, 5, 4
     rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
     generator = torch.Generator().manual_seed(head_dim + 1)
-    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim,
-                      generator=generator).to(dtype)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(
+        dtype
+    )
     qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], -1)
     qk, v = qk.view(tokens, -1, head_dim), v.view(tokens, -1, head_dim)  # strided views
     positions = torch.randint(0, 512, (tokens,), generator=generator)
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens]
     cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
-    caches = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                         generator=generator).to(dtype)
+    caches = torch.randn(
+        2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator
+    ).to(dtype)
     got_k, got_v, want_k, want_v = caches[0, 0], caches[0, 1], caches[1, 0], caches[1, 1]
     want_k.copy_(got_k)
     want_v.copy_(got_v)
     before = got_k.clone()
-    q = fused.rotary_store_kv(qk, v, positions, cos, sin, got_k, got_v, slots, num_heads,
-                              use_triton=True)
-    q_ref = fused.rotary_store_kv_reference(qk, v, positions, cos, sin, want_k, want_v, slots,
-                                            num_heads)
+    q = fused.rotary_store_kv(
+        qk, v, positions, cos, sin, got_k, got_v, slots, num_heads, use_triton=True
+    )
+    q_ref = fused.rotary_store_kv_reference(
+        qk, v, positions, cos, sin, want_k, want_v, slots, num_heads
+    )
     torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
     torch.testing.assert_close(got_k, want_k, **TOLERANCE[dtype])
     assert torch.equal(got_v, want_v)  # values are copied, not computed
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots] = False
-    assert torch.equal(got_k.view(-1, num_kv_heads, head_dim)[untouched],
-                       before.view(-1, num_kv_heads, head_dim)[untouched])
+    assert torch.equal(
+        got_k.view(-1, num_kv_heads, head_dim)[untouched],
+        before.view(-1, num_kv_heads, head_dim)[untouched],
+    )
     assert not torch.equal(got_k, before)
 
 
@@ -91,8 +105,11 @@ def test_silu_mul(dtype):
     generator = torch.Generator().manual_seed(1)
     gate = (3 * torch.randn(5, 1536, generator=generator)).to(dtype)
     up = torch.randn(5, 1536, generator=generator).to(dtype)
-    torch.testing.assert_close(fused.silu_mul(gate, up, use_triton=True),
-                               fused.silu_mul_reference(gate, up), **TOLERANCE[dtype])
+    torch.testing.assert_close(
+        fused.silu_mul(gate, up, use_triton=True),
+        fused.silu_mul_reference(gate, up),
+        **TOLERANCE[dtype],
+    )
 
 
 def test_silu_mul_reads_the_halves_of_a_fused_projection_in_place():
@@ -103,8 +120,11 @@ def test_silu_mul_reads_the_halves_of_a_fused_projection_in_place():
     gate, up = gate_up.chunk(2, dim=-1)
     assert not gate.is_contiguous()
     got = fused.silu_mul(gate, up, use_triton=True)
-    torch.testing.assert_close(got, fused.silu_mul_reference(gate.contiguous(), up.contiguous()),
-                               **TOLERANCE[torch.float32])
+    torch.testing.assert_close(
+        got,
+        fused.silu_mul_reference(gate.contiguous(), up.contiguous()),
+        **TOLERANCE[torch.float32],
+    )
     assert got.shape == (2, 3, 1100)
 
 

@@ -56,8 +56,9 @@ def test_padding_rows_leave_real_rows_and_cache_unchanged(q):
     generator = torch.Generator().manual_seed(0)
     caches = [torch.randn(shape, generator=generator) for _ in range(arch.num_layers)]
     reference_caches = [cache.clone() for cache in caches]
-    runner = CudaGraphRunner(model, caches, backend, BLOCK_SIZE, 64, 8, [1, 3], SCRATCH,
-                             torch.device("cpu"))
+    runner = CudaGraphRunner(
+        model, caches, backend, BLOCK_SIZE, 64, 8, [1, 3], SCRATCH, torch.device("cpu")
+    )
     batch = _rows(q)
     size = runner.padded_size([q, q])
     assert size == 2
@@ -65,23 +66,39 @@ def test_padding_rows_leave_real_rows_and_cache_unchanged(q):
     with torch.inference_mode():
         runner._fill(batch, size)
         padded = runner._forward(size, q)[: 2 * q]
-        metadata = backend.build_metadata([q, q], batch.seq_lens, batch.block_tables,
-                                          torch.tensor(batch.slots), BLOCK_SIZE, "cpu")
-        reference = model(torch.tensor(batch.token_ids), torch.tensor(batch.positions),
-                          reference_caches, metadata, backend)
+        metadata = backend.build_metadata(
+            [q, q], batch.seq_lens, batch.block_tables, torch.tensor(batch.slots), BLOCK_SIZE, "cpu"
+        )
+        reference = model(
+            torch.tensor(batch.token_ids),
+            torch.tensor(batch.positions),
+            reference_caches,
+            metadata,
+            backend,
+        )
     torch.testing.assert_close(padded, reference, rtol=1e-5, atol=1e-5)
     for cache, reference_cache in zip(caches, reference_caches, strict=True):
         # Real blocks hold the same keys and values; padding wrote only the scratch block.
-        torch.testing.assert_close(cache[:, :NUM_BLOCKS], reference_cache[:, :NUM_BLOCKS],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            cache[:, :NUM_BLOCKS], reference_cache[:, :NUM_BLOCKS], rtol=1e-5, atol=1e-5
+        )
         assert torch.isfinite(cache[:, SCRATCH]).all()
 
 
 def test_mixed_query_lengths_run_eagerly():
     files = ModelFiles("dummy:tiny")
     model = load_model(files, 64, torch.float32, torch.device("cpu"), seed=0)
-    runner = CudaGraphRunner(model, [], TritonAttentionBackend(), BLOCK_SIZE, 64, 16, [1, 4],
-                             SCRATCH, torch.device("cpu"))
+    runner = CudaGraphRunner(
+        model,
+        [],
+        TritonAttentionBackend(),
+        BLOCK_SIZE,
+        64,
+        16,
+        [1, 4],
+        SCRATCH,
+        torch.device("cpu"),
+    )
     assert runner.padded_size([1] * 3) == 4
     assert runner.padded_size([4] * 9) == 16
     assert runner.padded_size([1, 4]) is None  # not uniform
@@ -93,8 +110,7 @@ def test_mixed_query_lengths_run_eagerly():
 def test_start_up_warm_up_writes_only_the_scratch_block(make_llm, backend):
     """The eager steps run at start-up on CUDA to compile their kernels (a prefill alone, a
     prefill beside a decode row) touch no block a request could own."""
-    llm = make_llm(model="dummy:tiny", device="cpu", attention_backend=backend,
-                   num_kv_blocks=16)
+    llm = make_llm(model="dummy:tiny", device="cpu", attention_backend=backend, num_kv_blocks=16)
     runner = llm.engine.runner
     scratch = llm.engine.num_blocks
     before = [cache.clone() for cache in runner.kv_caches]

@@ -30,7 +30,8 @@ except ImportError as error:
     MOONCAKE_IMPORT_ERROR = str(error)
 
 needs_mooncake = pytest.mark.skipif(
-    bool(MOONCAKE_IMPORT_ERROR), reason=f"mooncake cannot be imported: {MOONCAKE_IMPORT_ERROR}")
+    bool(MOONCAKE_IMPORT_ERROR), reason=f"mooncake cannot be imported: {MOONCAKE_IMPORT_ERROR}"
+)
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 16
@@ -42,8 +43,9 @@ CHILD_TIMEOUT_S = 60
 STALL_TIMEOUT_S = 5
 
 
-def make_caches(seed: int, num_layers: int = NUM_LAYERS, block_size: int = 4,
-                dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def make_caches(
+    seed: int, num_layers: int = NUM_LAYERS, block_size: int = 4, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
     """Random per-layer caches shaped (2, NUM_BLOCKS, block_size, num_kv_heads, head_dim)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (2, NUM_BLOCKS, block_size, 2, 8)
@@ -95,11 +97,14 @@ def test_write_blocks_rejects_bad_block_ids():
         assert torch.equal(written, original)
 
 
-@pytest.mark.parametrize(("field", "peer_caches"), [
-    ("num_layers", make_caches(1, num_layers=2)),
-    ("dtype", make_caches(1, dtype=torch.bfloat16)),
-    ("block_size", make_caches(1, block_size=8)),
-])
+@pytest.mark.parametrize(
+    ("field", "peer_caches"),
+    [
+        ("num_layers", make_caches(1, num_layers=2)),
+        ("dtype", make_caches(1, dtype=torch.bfloat16)),
+        ("block_size", make_caches(1, block_size=8)),
+    ],
+)
 def test_check_compatible_names_the_mismatched_field(field, peer_caches):
     registry: dict = {}
     sender = LocalKVConnector(registry, "prefill")
@@ -127,6 +132,7 @@ def test_make_kv_connector_rejects_unknown_kind():
 
 
 # Children of the Mooncake tests: module-level so that spawned processes can import them.
+
 
 def _try_write(connector, peer: dict) -> tuple[str, str, float]:
     start = time.monotonic()
@@ -184,10 +190,12 @@ def mooncake_pair():
     context = multiprocessing.get_context("spawn")
     to_receiver, receiver_end = context.Pipe()
     to_sender, sender_end = context.Pipe()
-    receiver = context.Process(target=_mooncake_receiver, args=(receiver_end, 1),
-                               name="receiver", daemon=True)
-    sender = context.Process(target=_mooncake_sender, args=(sender_end, 0), name="sender",
-                             daemon=True)
+    receiver = context.Process(
+        target=_mooncake_receiver, args=(receiver_end, 1), name="receiver", daemon=True
+    )
+    sender = context.Process(
+        target=_mooncake_sender, args=(sender_end, 0), name="sender", daemon=True
+    )
     receiver.start()
     sender.start()
     try:
@@ -238,8 +246,9 @@ def test_mooncake_write_to_missing_peer_raises_within_seconds():
         port = probe.getsockname()[1]
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
-    child = context.Process(target=_mooncake_write_to_missing_peer, args=(child_end, port),
-                            name="sender", daemon=True)
+    child = context.Process(
+        target=_mooncake_write_to_missing_peer, args=(child_end, port), name="sender", daemon=True
+    )
     child.start()
     try:
         status, message, elapsed_s = _answer(parent_end, child)

@@ -100,8 +100,12 @@ def to_mimo(name: str, tensor: torch.Tensor, hidden: int) -> tuple[str, torch.Te
         # state first (vLLM/SGLang mimo_mtp.py), while Tandem's eh_proj (as DeepSeek-V3's)
         # consumes cat([enorm(e), hnorm(h)]): same map, column halves swapped.
         tensor = torch.cat([tensor[:, hidden:], tensor[:, :hidden]], dim=1)
-    mimo = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
-            "final_norm": "final_layernorm"}[module]
+    mimo = {
+        "enorm": "token_layernorm",
+        "hnorm": "hidden_layernorm",
+        "eh_proj": "input_proj",
+        "final_norm": "final_layernorm",
+    }[module]
     return f"{prefix}{mimo}.{kind}", tensor
 
 
@@ -148,10 +152,16 @@ def test_save_and_read_head_round_trip(tmp_path):
 
 def test_export_names_are_tandem_names_with_split_qkv():
     names = set(random_head(TINY, 1, seed=0).export_weights())
-    assert {"layers.0.enorm.weight", "layers.0.hnorm.weight", "layers.0.eh_proj.weight",
-            "layers.0.final_norm.weight", "layers.0.block.self_attn.q_proj.weight",
-            "layers.0.block.self_attn.k_proj.weight", "layers.0.block.self_attn.v_proj.weight",
-            "layers.0.block.mlp.down_proj.weight"} <= names
+    assert {
+        "layers.0.enorm.weight",
+        "layers.0.hnorm.weight",
+        "layers.0.eh_proj.weight",
+        "layers.0.final_norm.weight",
+        "layers.0.block.self_attn.q_proj.weight",
+        "layers.0.block.self_attn.k_proj.weight",
+        "layers.0.block.self_attn.v_proj.weight",
+        "layers.0.block.mlp.down_proj.weight",
+    } <= names
     assert not any("qkv_proj" in n for n in names)
 
 
@@ -202,20 +212,24 @@ def test_rename_mimo_and_deepseek():
     assert rename_mimo("model.mtp_layers.0.token_layernorm.weight") == "layers.0.enorm.weight"
     assert rename_mimo("model.mtp_layers.1.input_proj.weight") == "layers.1.eh_proj.weight"
     assert rename_mimo("model.mtp_layers.0.final_layernorm.weight") == (
-        "layers.0.final_norm.weight")
+        "layers.0.final_norm.weight"
+    )
     assert rename_mimo("model.mtp_layers.0.input_layernorm.weight") == (
-        "layers.0.block.input_layernorm.weight")
+        "layers.0.block.input_layernorm.weight"
+    )
     assert rename_mimo("model.mtp_layers.0.self_attn.q_proj.bias") == (
-        "layers.0.block.self_attn.q_proj.bias")
+        "layers.0.block.self_attn.q_proj.bias"
+    )
     assert rename_mimo("model.layers.0.input_layernorm.weight") is None
     n = TINY.num_layers
     assert rename_deepseek(f"model.layers.{n}.enorm.weight", n) == "layers.0.enorm.weight"
-    assert rename_deepseek(f"model.layers.{n + 1}.eh_proj.weight", n) == (
-        "layers.1.eh_proj.weight")
+    assert rename_deepseek(f"model.layers.{n + 1}.eh_proj.weight", n) == ("layers.1.eh_proj.weight")
     assert rename_deepseek(f"model.layers.{n}.shared_head.norm.weight", n) == (
-        "layers.0.final_norm.weight")
+        "layers.0.final_norm.weight"
+    )
     assert rename_deepseek(f"model.layers.{n}.mlp.up_proj.weight", n) == (
-        "layers.0.block.mlp.up_proj.weight")
+        "layers.0.block.mlp.up_proj.weight"
+    )
     assert rename_deepseek(f"model.layers.{n}.embed_tokens.weight", n) is None
     assert rename_deepseek(f"model.layers.{n}.shared_head.head.weight", n) is None
     assert rename_deepseek(f"model.layers.{n - 1}.mlp.up_proj.weight", n) is None
@@ -263,10 +277,11 @@ def test_mimo_input_proj_takes_hidden_state_first(mimo_checkpoint):
     expected = reference.layers[0].eh_proj.weight.detach()
     h = files.arch.hidden_size
     unswapped = torch.equal(loaded, torch.cat([expected[:, h:], expected[:, :h]], dim=1))
-    assert torch.equal(loaded, expected), (
-        "eh_proj differs from the reference"
-        + (" (MiMo input_proj was copied without swapping its [hidden | embedding] column"
-           " halves)" if unswapped else ""))
+    assert torch.equal(loaded, expected), "eh_proj differs from the reference" + (
+        " (MiMo input_proj was copied without swapping its [hidden | embedding] column halves)"
+        if unswapped
+        else ""
+    )
 
 
 def test_mimo_target_still_loads(mimo_checkpoint):
@@ -287,10 +302,14 @@ def deepseek_checkpoint(tmp_path_factory):
     mtp = {to_deepseek(name, n): t for name, t in reference.export_weights().items()}
     mtp[f"model.layers.{n}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
     mtp[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"]
-    write_checkpoint(directory, "LlamaForCausalLM", {
-        "model-00001-of-00002.safetensors": tensors,
-        "model-00002-of-00002.safetensors": mtp,
-    })
+    write_checkpoint(
+        directory,
+        "LlamaForCausalLM",
+        {
+            "model-00001-of-00002.safetensors": tensors,
+            "model-00002-of-00002.safetensors": mtp,
+        },
+    )
     return str(directory), target, reference
 
 
@@ -349,10 +368,12 @@ NUM_BLOCKS = 4
 
 
 def layer_pass(layer, backend, cache, positions, embeds, hidden, seq_len, block_table):
-    slots = torch.tensor([block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                          for p in positions])
-    metadata = backend.build_metadata([len(positions)], [seq_len], [block_table], slots,
-                                      BLOCK_SIZE, torch.device("cpu"))
+    slots = torch.tensor(
+        [block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+    )
+    metadata = backend.build_metadata(
+        [len(positions)], [seq_len], [block_table], slots, BLOCK_SIZE, torch.device("cpu")
+    )
     return layer(torch.tensor(positions), embeds, hidden, cache, metadata, backend)
 
 
@@ -378,13 +399,14 @@ def test_mtp_layer_forward_over_paged_cache():
 
         # The same tokens in two chunks (prefill, then a continuation over the cached KV).
         chunked_cache = torch.zeros(shape)
-        first = layer_pass(layer, backend, chunked_cache, [0, 1, 2, 3], embeds[:4],
-                           hidden[:4], 4, table)
-        second = layer_pass(layer, backend, chunked_cache, [4, 5], embeds[4:], hidden[4:], 6,
-                            table)
+        first = layer_pass(
+            layer, backend, chunked_cache, [0, 1, 2, 3], embeds[:4], hidden[:4], 4, table
+        )
+        second = layer_pass(layer, backend, chunked_cache, [4, 5], embeds[4:], hidden[4:], 6, table)
         torch.testing.assert_close(torch.cat([first, second]), full, rtol=1e-5, atol=1e-5)
 
         # The output depends on both inputs.
-        other = layer_pass(layer, backend, torch.zeros(shape), list(range(T)), embeds,
-                           hidden.flip(0), T, table)
+        other = layer_pass(
+            layer, backend, torch.zeros(shape), list(range(T)), embeds, hidden.flip(0), T, table
+        )
         assert not torch.allclose(other, full)

@@ -28,8 +28,10 @@ CHILD_TIMEOUT_S = 30
 DIED_EXITCODE = 17
 # Where the sender's and the receiver's caches live: gloo on the CPU; NCCL from cuda:0 to
 # cuda:1 (NCCL joins no two ranks on one GPU: that is the cuda_ipc connector's case).
-PLACEMENTS = [pytest.param("cpu", id="cpu-gloo"),
-              pytest.param("cuda", id="cuda-nccl", marks=pytest.mark.gpu)]
+PLACEMENTS = [
+    pytest.param("cpu", id="cpu-gloo"),
+    pytest.param("cuda", id="cuda-nccl", marks=pytest.mark.gpu),
+]
 
 
 def devices(placement: str) -> tuple[str, str, torch.dtype]:
@@ -41,13 +43,15 @@ def devices(placement: str) -> tuple[str, str, torch.dtype]:
     return "cuda:0", "cuda:1", torch.bfloat16
 
 
-def make_caches(seed: int, dtype: torch.dtype = torch.float32,
-                device: str = "cpu") -> list[torch.Tensor]:
+def make_caches(
+    seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[torch.Tensor]:
     """Random per-layer caches shaped (2, NUM_BLOCKS, block_size, num_kv_heads, head_dim)."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn((2, NUM_BLOCKS, 4, 2, 8), generator=generator).to(dtype=dtype,
-                                                                           device=device)
-            for _ in range(NUM_LAYERS)]
+    return [
+        torch.randn((2, NUM_BLOCKS, 4, 2, 8), generator=generator).to(dtype=dtype, device=device)
+        for _ in range(NUM_LAYERS)
+    ]
 
 
 def layer_bytes(num_blocks: int, dtype: torch.dtype) -> int:
@@ -55,8 +59,11 @@ def layer_bytes(num_blocks: int, dtype: torch.dtype) -> int:
     return 2 * num_blocks * 4 * 2 * 8 * torch.empty((), dtype=dtype).element_size()
 
 
-def apply_writes(dst_seed: int, writes: list[tuple[int, list[int], list[int]]],
-                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def apply_writes(
+    dst_seed: int,
+    writes: list[tuple[int, list[int], list[int]]],
+    dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
     """The receiver's caches after each (src_seed, src_blocks, dst_blocks) write."""
     expected = make_caches(dst_seed, dtype)
     for src_seed, src_blocks, dst_blocks in writes:
@@ -66,6 +73,7 @@ def apply_writes(dst_seed: int, writes: list[tuple[int, list[int], list[int]]],
 
 
 # ---- children (module-level so that spawned processes can import them) -------------------
+
 
 def _receiver(conn, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
     """Register caches, publish the descriptor; answer "caches" with the caches, the number of
@@ -77,8 +85,13 @@ def _receiver(conn, seed: int, device: str = "cpu", dtype: torch.dtype = torch.f
     while conn.recv() == "caches":
         if device != "cpu":
             torch.cuda.synchronize(device)
-        conn.send(([cache.cpu().float().numpy() for cache in caches],
-                   connector._server.add("pairs", 0), len(connector._receivers)))
+        conn.send(
+            (
+                [cache.cpu().float().numpy() for cache in caches],
+                connector._server.add("pairs", 0),
+                len(connector._receivers),
+            )
+        )
     connector.close()
     connector.close()
     conn.send("closed")
@@ -96,14 +109,21 @@ class _DiesMidTransfer(NcclKVConnector):
         os._exit(DIED_EXITCODE)
 
 
-def _sender(conn, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-            dies: bool = False, message_bytes: int = 64 << 20) -> None:
+def _sender(
+    conn,
+    seed: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    dies: bool = False,
+    message_bytes: int = 64 << 20,
+) -> None:
     """For each (descriptor, src, dst) received, write and answer (status, message, seconds);
     close (twice) on "stop"."""
     connector_class = _DiesMidTransfer if dies else NcclKVConnector
     # The dying sender sends one layer per message (so it dies mid-transfer).
-    connector = connector_class(timeout_s=TIMEOUT_S, serve=False,
-                                message_bytes=1 if dies else message_bytes)
+    connector = connector_class(
+        timeout_s=TIMEOUT_S, serve=False, message_bytes=1 if dies else message_bytes
+    )
     connector.register(make_caches(seed, dtype, device))
     if device != "cpu":  # write_blocks' precondition: the blocks' device work is complete
         torch.cuda.synchronize(device)
@@ -122,11 +142,13 @@ def _sender(conn, seed: int, device: str = "cpu", dtype: torch.dtype = torch.flo
 
 # ---- helpers -----------------------------------------------------------------------------
 
+
 def _answer(conn, process):
     """The child's next message, failing (not hanging) when it is slow or has died."""
     if not conn.poll(CHILD_TIMEOUT_S):
-        raise AssertionError(f"{process.name} sent nothing within {CHILD_TIMEOUT_S} s "
-                             f"(exit code {process.exitcode})")
+        raise AssertionError(
+            f"{process.name} sent nothing within {CHILD_TIMEOUT_S} s (exit code {process.exitcode})"
+        )
     return conn.recv()
 
 
@@ -135,8 +157,9 @@ class Child:
 
     def __init__(self, context, target, name: str, *args):
         self.conn, child_end = context.Pipe()
-        self.process = context.Process(target=target, args=(child_end, *args), name=name,
-                                       daemon=True)
+        self.process = context.Process(
+            target=target, args=(child_end, *args), name=name, daemon=True
+        )
         self.process.start()
 
     def ask(self, message):
@@ -195,11 +218,13 @@ def _assert_a_fresh_receiver_works(sender: Child, fresh: Child, fresh_peer, dtyp
 
 # ---- tests -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_writes_chosen_blocks_exactly_twice_on_one_pair(placement):
     send_on, receive_on, dtype = devices(placement)
-    with children(("receiver", _receiver, 1, receive_on, dtype),
-                  ("sender", _sender, 0, send_on, dtype)) as (receiver, sender):
+    with children(
+        ("receiver", _receiver, 1, receive_on, dtype), ("sender", _sender, 0, send_on, dtype)
+    ) as (receiver, sender):
         peer = receiver.answer()
         status, message, _ = sender.ask((peer, SRC_BLOCKS, DST_BLOCKS))
         assert status == "ok", message
@@ -218,11 +243,12 @@ def test_writes_chosen_blocks_exactly_twice_on_one_pair(placement):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_two_senders_write_into_one_receiver(placement):
     send_on, receive_on, dtype = devices(placement)
-    with children(("receiver", _receiver, 1, receive_on, dtype),
-                  ("sender-a", _sender, 0, send_on, dtype),
-                  # B's 3 blocks go as two messages: layers 0-1, then layer 2 (A: one message).
-                  ("sender-b", _sender, 2, send_on, dtype, False, 2 * layer_bytes(3, dtype))
-                  ) as (receiver, sender_a, sender_b):
+    with children(
+        ("receiver", _receiver, 1, receive_on, dtype),
+        ("sender-a", _sender, 0, send_on, dtype),
+        # B's 3 blocks go as two messages: layers 0-1, then layer 2 (A: one message).
+        ("sender-b", _sender, 2, send_on, dtype, False, 2 * layer_bytes(3, dtype)),
+    ) as (receiver, sender_a, sender_b):
         peer = receiver.answer()
         writes = {sender_a: (0, SRC_BLOCKS, DST_BLOCKS), sender_b: (2, [0, 1, 7], [4, 5, 14])}
         for sender, (_, src, dst) in writes.items():  # both in flight at once
@@ -238,9 +264,11 @@ def test_two_senders_write_into_one_receiver(placement):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_stalled_receiver_times_out_then_a_fresh_receiver_works(placement):
     send_on, receive_on, dtype = devices(placement)
-    with children(("stalled", _receiver, 1, receive_on, dtype),
-                  ("fresh", _receiver, 3, receive_on, dtype),
-                  ("sender", _sender, 0, send_on, dtype)) as (stalled, fresh, sender):
+    with children(
+        ("stalled", _receiver, 1, receive_on, dtype),
+        ("fresh", _receiver, 3, receive_on, dtype),
+        ("sender", _sender, 0, send_on, dtype),
+    ) as (stalled, fresh, sender):
         stalled_peer, fresh_peer = stalled.answer(), fresh.answer()
         assert sender.ask((stalled_peer, SRC_BLOCKS, DST_BLOCKS))[0] == "ok"  # the pair exists
         os.kill(stalled.process.pid, signal.SIGSTOP)  # alive, connected, answers nothing
@@ -256,9 +284,11 @@ def test_stalled_receiver_times_out_then_a_fresh_receiver_works(placement):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_dead_receiver_fails_within_timeout_then_a_fresh_receiver_works(placement):
     send_on, receive_on, dtype = devices(placement)
-    with children(("dead", _receiver, 1, receive_on, dtype),
-                  ("fresh", _receiver, 3, receive_on, dtype),
-                  ("sender", _sender, 0, send_on, dtype)) as (dead, fresh, sender):
+    with children(
+        ("dead", _receiver, 1, receive_on, dtype),
+        ("fresh", _receiver, 3, receive_on, dtype),
+        ("sender", _sender, 0, send_on, dtype),
+    ) as (dead, fresh, sender):
         dead_peer, fresh_peer = dead.answer(), fresh.answer()
         assert sender.ask((dead_peer, SRC_BLOCKS, DST_BLOCKS))[0] == "ok"
         dead.kill()
@@ -275,9 +305,11 @@ def test_dead_receiver_fails_within_timeout_then_a_fresh_receiver_works(placemen
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_receiver_keeps_serving_after_a_sender_dies_mid_transfer(placement):
     send_on, receive_on, dtype = devices(placement)
-    with children(("receiver", _receiver, 1, receive_on, dtype),
-                  ("dying", _sender, 2, send_on, dtype, True),
-                  ("sender", _sender, 0, send_on, dtype)) as (receiver, dying, sender):
+    with children(
+        ("receiver", _receiver, 1, receive_on, dtype),
+        ("dying", _sender, 2, send_on, dtype, True),
+        ("sender", _sender, 0, send_on, dtype),
+    ) as (receiver, dying, sender):
         peer = receiver.answer()
         dying.conn.send((peer, [0, 1], [0, 1]))
         dying.process.join(CHILD_TIMEOUT_S)
@@ -320,8 +352,11 @@ def test_checks_before_any_transfer():
     with pytest.raises(KVTransferError, match="already"):
         sender.register(make_caches(0))
     peer = receiver.descriptor()
-    assert peer["device"] == "cpu" and isinstance(peer["port"], int) and "port" not in \
-        sender.descriptor()
+    assert (
+        peer["device"] == "cpu"
+        and isinstance(peer["port"], int)
+        and "port" not in sender.descriptor()
+    )
     with pytest.raises(KVTransferError, match="different processes"):
         sender.write_blocks(peer, SRC_BLOCKS, DST_BLOCKS)
     with pytest.raises(KVTransferError, match="'cuda'"):

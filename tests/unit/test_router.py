@@ -18,8 +18,12 @@ from tandem.server.protocol import PREFILL_URL_HEADER
 PREFILLS = ["http://prefill-0:8000", "http://prefill-1:8000"]
 DECODES = ["http://decode-0:8000", "http://decode-1:8000"]
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 4}
-EVENTS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
-          b'data: {"choices": [{"text": "c"}]}\n\n', b"data: [DONE]\n\n"]
+EVENTS = [
+    b'data: {"choices": [{"text": "a"}]}\n\n',
+    b'data: {"choices": [{"text": "b"}]}\n\n',
+    b'data: {"choices": [{"text": "c"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
 
 
 def completion_json(request: httpx.Request) -> httpx.Response:
@@ -49,8 +53,13 @@ class Fleet:
         return self.api[url](request)
 
     def router(self, **kw) -> TestClient:
-        app = build_router_app(PREFILLS, DECODES, health_interval_s=3600,
-                               transport=httpx.MockTransport(self.handle), **kw)
+        app = build_router_app(
+            PREFILLS,
+            DECODES,
+            health_interval_s=3600,
+            transport=httpx.MockTransport(self.handle),
+            **kw,
+        )
         return TestClient(app)
 
 
@@ -63,8 +72,9 @@ def test_round_robin_across_decodes_with_the_prefill_named_in_a_header():
     raw = json.dumps(COMPLETION, separators=(",", ":")).encode()
     with fleet.router() as client:
         for _ in range(4):
-            response = client.post("/v1/completions", content=raw,
-                                   headers={"authorization": "Bearer k"})
+            response = client.post(
+                "/v1/completions", content=raw, headers={"authorization": "Bearer k"}
+            )
             assert response.status_code == 200
     assert served_by(fleet) == ["decode-0", "decode-1", "decode-0", "decode-1"]
     assert [r.headers[PREFILL_URL_HEADER] for r in fleet.requests] == PREFILLS * 2
@@ -75,8 +85,12 @@ def test_round_robin_across_decodes_with_the_prefill_named_in_a_header():
 
 
 def test_non_streaming_relay_keeps_status_and_body():
-    answers = iter([httpx.Response(200, json={"id": "cmpl-1", "choices": [{"text": "yes"}]}),
-                    httpx.Response(400, json={"error": {"message": "bad", "code": 400}})])
+    answers = iter(
+        [
+            httpx.Response(200, json={"id": "cmpl-1", "choices": [{"text": "yes"}]}),
+            httpx.Response(400, json={"error": {"message": "bad", "code": 400}}),
+        ]
+    )
     fleet = Fleet({url: lambda _: next(answers) for url in DECODES})
     with fleet.router() as client:
         ok = client.post("/v1/chat/completions", json={"messages": []})
@@ -96,8 +110,7 @@ def sse(events: list[bytes], then: Exception | None = None) -> Callable:
             if then is not None:
                 raise then
 
-        return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              content=chunks())
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks())
 
     return handler
 
@@ -105,8 +118,10 @@ def sse(events: list[bytes], then: Exception | None = None) -> Callable:
 def test_streaming_relays_every_chunk_in_order():
     fleet = Fleet({url: sse(EVENTS) for url in DECODES})
     stream_request = {"stream": True} | COMPLETION
-    with fleet.router() as client, client.stream("POST", "/v1/completions",
-                                                 json=stream_request) as response:
+    with (
+        fleet.router() as client,
+        client.stream("POST", "/v1/completions", json=stream_request) as response,
+    ):
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         body = b"".join(response.iter_bytes())
@@ -116,11 +131,20 @@ def test_streaming_relays_every_chunk_in_order():
 async def call_asgi(app, body: dict, receive_after_body: Callable, send: Callable) -> None:
     """POST ``body`` to /v1/completions straight through ASGI, with the lifespan running
     (TestClient and ASGITransport buffer whole responses, hiding how they are sent)."""
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
-             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")],
-             "client": ("test", 1), "server": ("router", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("test", 1),
+        "server": ("router", 80),
+    }
     body_sent = False
 
     async def receive():
@@ -146,8 +170,12 @@ def test_streaming_relays_each_event_before_the_next_arrives():
 
         return httpx.Response(200, content=chunks())
 
-    app = build_router_app(PREFILLS, DECODES, health_interval_s=3600,
-                           transport=httpx.MockTransport(Fleet({DECODES[0]: handler}).handle))
+    app = build_router_app(
+        PREFILLS,
+        DECODES,
+        health_interval_s=3600,
+        transport=httpx.MockTransport(Fleet({DECODES[0]: handler}).handle),
+    )
     bodies: list[bytes] = []
 
     async def send(message):
@@ -177,23 +205,36 @@ def test_client_disconnect_cancels_the_decode_request():
         await decode_started.wait()
         return {"type": "http.disconnect"}
 
-    app = build_router_app(PREFILLS, DECODES, health_interval_s=3600,
-                           transport=httpx.MockTransport(Fleet({DECODES[0]: slow}).handle))
+    app = build_router_app(
+        PREFILLS,
+        DECODES,
+        health_interval_s=3600,
+        transport=httpx.MockTransport(Fleet({DECODES[0]: slow}).handle),
+    )
     statuses: list[int] = []
 
     async def send(message):
         if message["type"] == "http.response.start":
             statuses.append(message["status"])
 
-    asyncio.run(asyncio.wait_for(
-        call_asgi(app, COMPLETION, disconnect_once_decode_started, send), timeout=5))
+    asyncio.run(
+        asyncio.wait_for(
+            call_asgi(app, COMPLETION, disconnect_once_decode_started, send), timeout=5
+        )
+    )
     assert statuses == [499]
     assert cancelled == ["decode-0"]
 
 
 def test_upstream_error_on_a_streaming_request_is_relayed_as_json():
-    error = {"error": {"message": "prompt is empty", "type": "invalid_request_error",
-                       "param": None, "code": 400}}
+    error = {
+        "error": {
+            "message": "prompt is empty",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": 400,
+        }
+    }
     fleet = Fleet({url: lambda _: httpx.Response(400, json=error) for url in DECODES})
     with fleet.router() as client:
         response = client.post("/v1/completions", json=COMPLETION | {"stream": True})
@@ -214,8 +255,12 @@ def test_dead_decode_is_retried_on_the_other_and_reported_unhealthy():
     assert first.json()["served_by"] == second.json()["served_by"] == "decode-1"
     assert served_by(fleet) == ["decode-0", "decode-1", "decode-1"]  # decode-0 tried once
     healthy = {(i["role"], i["url"]): i["healthy"] for i in instances}
-    assert healthy == {("prefill", PREFILLS[0]): True, ("prefill", PREFILLS[1]): True,
-                       ("decode", DECODES[0]): False, ("decode", DECODES[1]): True}
+    assert healthy == {
+        ("prefill", PREFILLS[0]): True,
+        ("prefill", PREFILLS[1]): True,
+        ("decode", DECODES[0]): False,
+        ("decode", DECODES[1]): True,
+    }
     assert health.status_code == 200
 
 
@@ -247,8 +292,9 @@ def test_a_request_is_retried_only_once():
     decodes = [*DECODES, "http://decode-2:8000"]
     fleet = Fleet({DECODES[0]: refuse, DECODES[1]: refuse, decodes[2]: completion_json})
     fleet.health[decodes[2]] = 200
-    app = build_router_app(PREFILLS, decodes, health_interval_s=3600,
-                           transport=httpx.MockTransport(fleet.handle))
+    app = build_router_app(
+        PREFILLS, decodes, health_interval_s=3600, transport=httpx.MockTransport(fleet.handle)
+    )
     with TestClient(app) as client:
         failed = client.post("/v1/completions", json=COMPLETION)
         retried_elsewhere = client.post("/v1/completions", json=COMPLETION)
@@ -258,8 +304,9 @@ def test_a_request_is_retried_only_once():
     assert served_by(fleet) == ["decode-0", "decode-1", "decode-2"]
 
 
-@pytest.mark.parametrize("then", [httpx.ReadError("connection reset"), None],
-                         ids=["raises", "closes-early"])
+@pytest.mark.parametrize(
+    "then", [httpx.ReadError("connection reset"), None], ids=["raises", "closes-early"]
+)
 def test_mid_stream_failure_ends_with_an_error_event_then_done(then):
     # The second event is cut off half-way: only whole events reach the client.
     fleet = Fleet({url: sse([EVENTS[0], b'data: {"choi'], then) for url in DECODES})
@@ -310,8 +357,9 @@ def test_health_check_marks_an_instance_healthy_again_after_it_recovers():
 def test_malformed_json_is_400_and_not_forwarded(body):
     fleet = Fleet()
     with fleet.router() as client:
-        response = client.post("/v1/completions", content=body,
-                               headers={"content-type": "application/json"})
+        response = client.post(
+            "/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == 400 and error["type"] == "invalid_request_error"

@@ -90,15 +90,19 @@ def _mixed_rows(vocab: int):
 
 
 @pytest.mark.parametrize("vocab", [300, 1500])
-@pytest.mark.parametrize("filters", [f for n in (1, 2, 3)
-                                     for f in itertools.combinations("kpm", n)])
+@pytest.mark.parametrize(
+    "filters", [f for n in (1, 2, 3) for f in itertools.combinations("kpm", n)]
+)
 def test_kernel_threshold_equals_the_reference_bit_for_bit(vocab, filters):
     """Mixed rows (every filter, disabled rows, ties, temperature); 1500 spans three blocks
     of the kernel, the last one partial."""
     logits, temperature, top_k, top_p, min_p = _mixed_rows(vocab)
     probs = _probs(logits, temperature)
-    args = (top_k if "k" in filters else None, top_p if "p" in filters else None,
-            min_p if "m" in filters else None)
+    args = (
+        top_k if "k" in filters else None,
+        top_p if "p" in filters else None,
+        min_p if "m" in filters else None,
+    )
     got = filter_threshold(probs, *args, use_triton=True)
     expected = filter_threshold_reference(probs, *args)
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (got, expected)
@@ -106,9 +110,15 @@ def test_kernel_threshold_equals_the_reference_bit_for_bit(vocab, filters):
 
 
 def _batch(temperature, top_k, top_p, min_p) -> SamplingBatch:
-    return SamplingBatch(temperature=temperature, greedy=torch.zeros_like(top_k, dtype=bool),
-                         top_k=top_k, top_p=top_p, min_p=min_p,
-                         generators=[None] * len(top_k), all_greedy=False)
+    return SamplingBatch(
+        temperature=temperature,
+        greedy=torch.zeros_like(top_k, dtype=bool),
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        generators=[None] * len(top_k),
+        all_greedy=False,
+    )
 
 
 @pytest.mark.parametrize("vocab", [300, 1500])
@@ -142,11 +152,11 @@ def _old_apply_filters(logits, temperature, top_k, top_p, min_p):
     sorted_probs = sorted_logits.softmax(dim=-1)
     drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
     drop_sorted &= top_p[:, None] < 1.0
-    logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted),
-                                float("-inf"))
+    logits = logits.masked_fill(
+        torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf")
+    )
     probs = logits.softmax(dim=-1)
-    probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p[:, None],
-                              0.0)
+    probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p[:, None], 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
@@ -162,7 +172,9 @@ def test_reference_agrees_with_the_old_sort_rule_on_tie_free_rows():
     top_p = torch.ones(num_rows)
     for row in range(8, num_rows):
         rank = min(row - 7, int(top_k[row]) - 1)
-        top_p[row] = _top_p_between(probs[row], int(top_k[row]), rank, gap=5e-5 if row % 2 else None)
+        top_p[row] = _top_p_between(
+            probs[row], int(top_k[row]), rank, gap=5e-5 if row % 2 else None
+        )
     _assert_top_p_margins(probs, top_k, top_p)
     expected = _old_apply_filters(logits, temperature, top_k, top_p, min_p)
     got = apply_filters(logits, _batch(temperature, top_k, top_p, min_p), use_triton=False)
@@ -174,6 +186,7 @@ def test_reference_agrees_with_the_old_sort_rule_on_tie_free_rows():
 @contextmanager
 def _no_host_reads(monkeypatch):
     """Any read of a tensor's value on the host (a device sync on CUDA) raises."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor value was read on the host")
 
@@ -205,8 +218,9 @@ def test_compiled_kernel_equals_the_reference_at_a_llama3_vocabulary():
     logits = 4 * torch.randn(num_rows, vocab, generator=generator)
     temperature = 0.5 + torch.rand(num_rows, generator=generator)
     rows = torch.arange(num_rows)
-    top_k = torch.where(rows % 3 == 0, torch.randint(1, 2000, (num_rows,), generator=generator),
-                        vocab)
+    top_k = torch.where(
+        rows % 3 == 0, torch.randint(1, 2000, (num_rows,), generator=generator), vocab
+    )
     min_p = torch.where(rows % 5 == 0, 0.05, 0.0)
     probs = _probs(logits, temperature)
     top_p = torch.ones(num_rows)
@@ -221,8 +235,7 @@ def test_compiled_kernel_equals_the_reference_at_a_llama3_vocabulary():
         goal = (cumulative[rank - 1] + cumulative[rank]) / 2
         top_p[row] = float(goal / cumulative[-1])
     expected = filter_threshold_reference(probs, top_k, top_p, min_p)
-    got = filter_threshold(probs.cuda(), top_k.cuda(), top_p.cuda(), min_p.cuda(),
-                           use_triton=True)
+    got = filter_threshold(probs.cuda(), top_k.cuda(), top_p.cuda(), min_p.cuda(), use_triton=True)
     assert torch.equal(got.cpu().view(torch.int32), expected.view(torch.int32))
     active = (top_k < vocab) | (top_p < 1) | (min_p > 0)
     assert bool((expected[active] > 0).all()) and bool((expected[~active] == 0).all())

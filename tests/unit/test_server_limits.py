@@ -34,8 +34,10 @@ def _post(app, path: str, body: dict) -> httpx.Response:
 
 def test_over_the_request_limit_is_503():
     app = build_app(FakeClient(active=4), "m", max_pending_requests=4)
-    for path, body in [("/v1/completions", {"prompt": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+    for path, body in [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]:
         response = _post(app, path, body)
         assert response.status_code == 503
         error = response.json()["error"]

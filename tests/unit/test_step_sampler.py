@@ -14,14 +14,16 @@ from tandem.worker.step_sampler import SamplingRow, sample_step
 VOCAB = 64
 
 
-def _request(generator, num_drafts: int, params: SamplingParams, seed: int | None,
-             with_draft_probs: bool):
+def _request(
+    generator, num_drafts: int, params: SamplingParams, seed: int | None, with_draft_probs: bool
+):
     """(params, seed, logits [k + 1, V], input tokens [k + 1], draft probs or None)."""
     logits = 2 * torch.randn((num_drafts + 1, VOCAB), generator=generator)
     draft_probs = None
     if with_draft_probs:
-        draft_probs = (torch.randn((num_drafts, VOCAB), generator=generator) + logits[:-1]
-                       ).softmax(dim=-1)
+        draft_probs = (torch.randn((num_drafts, VOCAB), generator=generator) + logits[:-1]).softmax(
+            dim=-1
+        )
         drafts = torch.multinomial(draft_probs, 1, generator=generator).squeeze(1)
     else:
         drafts = logits[:-1].argmax(dim=-1)  # a one-hot draft the target likes
@@ -43,22 +45,26 @@ def _run(requests):
     """sample_step over ``requests`` in this order; per request (num_emitted, candidates)."""
     rows, logits, tokens = _rows(requests)
     result = sample_step(rows, logits, tokens, torch.Generator().manual_seed(1))
-    return [(int(result.num_emitted[i]),
-             result.candidates[row.logits_start : row.logits_start + row.num_drafts + 1])
-            for i, row in enumerate(rows)]
+    return [
+        (
+            int(result.num_emitted[i]),
+            result.candidates[row.logits_start : row.logits_start + row.num_drafts + 1],
+        )
+        for i, row in enumerate(rows)
+    ]
 
 
 def _reference(request):
     """rejection_verify on the request's filtered target and its q (one-hot without one)."""
     params, seed, logits, tokens, draft_probs = request
     k = len(logits) - 1
-    batch = SamplingBatch.build([params] * (k + 1), [None] * (k + 1), VOCAB,
-                                torch.device("cpu"))
+    batch = SamplingBatch.build([params] * (k + 1), [None] * (k + 1), VOCAB, torch.device("cpu"))
     target = apply_filters(logits, batch)
     if draft_probs is None:
         draft_probs = torch.nn.functional.one_hot(tokens[1:], VOCAB).float()
-    accepted, candidates = rejection_verify(target, draft_probs, tokens[1:],
-                                            torch.Generator().manual_seed(seed))
+    accepted, candidates = rejection_verify(
+        target, draft_probs, tokens[1:], torch.Generator().manual_seed(seed)
+    )
     return int(accepted) + 1, candidates
 
 
@@ -66,8 +72,9 @@ def _mixed_batch(generator, seed: int):
     """A greedy row with drafts, a plain row, an unseeded drafted row, the seeded row under
     test (top-k and top-p) and a seeded row with one-hot drafts."""
     sampled = SamplingParams(temperature=0.9)
-    seeded = _request(generator, 2, SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
-                      seed, True)
+    seeded = _request(
+        generator, 2, SamplingParams(temperature=0.8, top_k=20, top_p=0.9), seed, True
+    )
     return seeded, [
         _request(generator, 2, SamplingParams(temperature=0.0), None, False),
         _request(generator, 0, sampled, None, False),

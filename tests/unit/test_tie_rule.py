@@ -7,13 +7,19 @@ from tandem.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _output(tokens, logprobs):
-    positions = [{t: Logprob(lp, 1), 99: Logprob(lp - 1.0, 2)} for t, lp in zip(tokens, logprobs)]
+    positions = [
+        {t: Logprob(lp, 1), 99: Logprob(lp - 1.0, 2)}
+        for t, lp in zip(tokens, logprobs, strict=True)
+    ]
     return RequestOutput("r", None, [1], [CompletionOutput(0, "", tokens, None, positions)])
 
 
 def _ref(tokens, logprobs, margins):
-    return {"token_ids": tokens, "logprobs": logprobs,
-            "top2": [(lp, lp - m) for lp, m in zip(logprobs, margins)]}
+    return {
+        "token_ids": tokens,
+        "logprobs": logprobs,
+        "top2": [(lp, lp - m) for lp, m in zip(logprobs, margins, strict=True)],
+    }
 
 
 def test_equal_outputs_pass():

@@ -34,8 +34,9 @@ def triton_attention():
         yield importlib.import_module("tandem.layers.triton_attention")
 
 
-def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-               seed, device=DEVICE):
+def make_batch(
+    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, device=DEVICE
+):
     """Random caches (with stale values in every slot), a shuffled block table, the new
     tokens' q/k/v and their slots."""
     rng = random.Random(seed)
@@ -45,9 +46,11 @@ def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_si
     free = list(range(num_blocks))
     rng.shuffle(free)  # non-contiguous, out of order
     tables = [[free.pop() for _ in range(n)] for n in blocks_needed]
-    slots = [table[p // block_size] * block_size + p % block_size
-             for table, q, s in zip(tables, query_lens, seq_lens, strict=True)
-             for p in range(s - q, s)]
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for table, q, s in zip(tables, query_lens, seq_lens, strict=True)
+        for p in range(s - q, s)
+    ]
     total = sum(query_lens)
 
     def randn(*shape):
@@ -67,8 +70,9 @@ def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_si
 def run_backend(backend, batch, query_lens, seq_lens, block_size):
     """One forward of ``backend`` on copies of the batch's caches; returns (out, k_cache)."""
     k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
-    metadata = backend.build_metadata(query_lens, seq_lens, batch["tables"], batch["slots"],
-                                      block_size, batch["q"].device)
+    metadata = backend.build_metadata(
+        query_lens, seq_lens, batch["tables"], batch["slots"], block_size, batch["q"].device
+    )
     scale = batch["q"].shape[-1] ** -0.5
     out = backend.forward(batch["q"], batch["k"], batch["v"], k_cache, v_cache, metadata, scale)
     return out, k_cache
@@ -81,15 +85,24 @@ def relative_error(out, ref):
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
-def test_mixed_batch_matches_torch_fp32(triton_attention, num_heads, num_kv_heads, head_dim,
-                                        block_size):
+def test_mixed_batch_matches_torch_fp32(
+    triton_attention, num_heads, num_kv_heads, head_dim, block_size
+):
     query_lens, seq_lens = MIXED
-    batch = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                       torch.float32, seed=block_size + head_dim)
-    ref, ref_cache = run_backend(TorchAttentionBackend(), batch, query_lens, seq_lens,
-                                 block_size)
-    out, cache = run_backend(triton_attention.TritonAttentionBackend(), batch, query_lens,
-                             seq_lens, block_size)
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.float32,
+        seed=block_size + head_dim,
+    )
+    ref, ref_cache = run_backend(TorchAttentionBackend(), batch, query_lens, seq_lens, block_size)
+    out, cache = run_backend(
+        triton_attention.TritonAttentionBackend(), batch, query_lens, seq_lens, block_size
+    )
     torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)  # store_kv ran first
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -107,13 +120,23 @@ def test_mixed_batch_matches_torch_fp32(triton_attention, num_heads, num_kv_head
         ([11, 1, 4], [11, 40, 21], 6, 2, 80, 16),
     ],
 )
-def test_edge_shapes_match_torch_fp32(triton_attention, query_lens, seq_lens, num_heads,
-                                      num_kv_heads, head_dim, block_size):
-    batch = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                       torch.float32, seed=len(query_lens))
+def test_edge_shapes_match_torch_fp32(
+    triton_attention, query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
+):
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.float32,
+        seed=len(query_lens),
+    )
     ref, _ = run_backend(TorchAttentionBackend(), batch, query_lens, seq_lens, block_size)
-    out, _ = run_backend(triton_attention.TritonAttentionBackend(), batch, query_lens,
-                         seq_lens, block_size)
+    out, _ = run_backend(
+        triton_attention.TritonAttentionBackend(), batch, query_lens, seq_lens, block_size
+    )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -123,8 +146,9 @@ def test_launcher_takes_strided_q_and_int64_metadata(triton_attention, min_query
     one launch for the mixed batch, or (given its shortest query) one per kind of row."""
     query_lens, seq_lens = MIXED
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
-    batch = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                       torch.float32, seed=7)
+    batch = make_batch(
+        query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, seed=7
+    )
     ref, _ = run_backend(TorchAttentionBackend(), batch, query_lens, seq_lens, block_size)
     k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
     store_kv(batch["k"], batch["v"], k_cache, v_cache, batch["slots"])
@@ -134,12 +158,19 @@ def test_launcher_takes_strided_q_and_int64_metadata(triton_attention, min_query
     q = qkv[:, : num_heads * head_dim].view(total, num_heads, head_dim)
     assert not q.is_contiguous()
     max_blocks = max(len(t) for t in batch["tables"])
-    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in batch["tables"]],
-                          device=DEVICE)
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in batch["tables"]], device=DEVICE)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], device=DEVICE)
     out = triton_attention.paged_attention(
-        q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, device=DEVICE),
-        max(query_lens), head_dim**-0.5, min_query_len=min_query_len)
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        starts,
+        torch.tensor(seq_lens, device=DEVICE),
+        max(query_lens),
+        head_dim**-0.5,
+        min_query_len=min_query_len,
+    )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -151,22 +182,39 @@ def test_split_keys_decode_and_verify_rows(triton_attention, num_splits, sharp):
     second kernel. ``sharp`` scales the queries so most scores underflow exp2."""
     query_lens, seq_lens = [1, 4, 1, 3], [300, 130, 17, 64]
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
-    batch = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                       torch.float32, seed=num_splits)
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.float32,
+        seed=num_splits,
+    )
     if sharp:
         batch["q"] = batch["q"] * 12.0
     ref, _ = run_backend(TorchAttentionBackend(), batch, query_lens, seq_lens, block_size)
     k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
     store_kv(batch["k"], batch["v"], k_cache, v_cache, batch["slots"])
     max_blocks = max(len(t) for t in batch["tables"])
-    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in batch["tables"]],
-                          device=DEVICE, dtype=torch.int32)
-    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], device=DEVICE,
-                          dtype=torch.int32)
+    tables = torch.tensor(
+        [t + [0] * (max_blocks - len(t)) for t in batch["tables"]], device=DEVICE, dtype=torch.int32
+    )
+    starts = torch.tensor(
+        [0, *torch.tensor(query_lens).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32
+    )
     out = triton_attention.paged_attention(
-        batch["q"], k_cache, v_cache, tables, starts,
-        torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32), max(query_lens),
-        head_dim**-0.5, num_splits=num_splits)
+        batch["q"],
+        k_cache,
+        v_cache,
+        tables,
+        starts,
+        torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32),
+        max(query_lens),
+        head_dim**-0.5,
+        num_splits=num_splits,
+    )
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -183,8 +231,7 @@ def test_fp16_matches_torch(triton_attention):
     query_lens, seq_lens = MIXED
     batch = make_batch(query_lens, seq_lens, 8, 2, 64, 16, torch.float16, seed=11)
     ref, _ = run_backend(TorchAttentionBackend(), batch, query_lens, seq_lens, 16)
-    out, _ = run_backend(triton_attention.TritonAttentionBackend(), batch, query_lens,
-                         seq_lens, 16)
+    out, _ = run_backend(triton_attention.TritonAttentionBackend(), batch, query_lens, seq_lens, 16)
     assert out.dtype == torch.float16
     assert relative_error(out, ref) < 1e-2
 
@@ -200,13 +247,24 @@ def test_fp16_matches_torch(triton_attention):
     ],
 )
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
-def test_bf16_on_cuda_matches_torch(triton_attention, query_lens, seq_lens, num_heads,
-                                    num_kv_heads, head_dim, block_size):
-    batch = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                       torch.bfloat16, seed=3, device=torch.device("cuda"))
+def test_bf16_on_cuda_matches_torch(
+    triton_attention, query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
+):
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        torch.bfloat16,
+        seed=3,
+        device=torch.device("cuda"),
+    )
     ref, _ = run_backend(TorchAttentionBackend(), batch, query_lens, seq_lens, block_size)
-    out, _ = run_backend(triton_attention.TritonAttentionBackend(), batch, query_lens,
-                         seq_lens, block_size)
+    out, _ = run_backend(
+        triton_attention.TritonAttentionBackend(), batch, query_lens, seq_lens, block_size
+    )
     assert out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < 1e-2

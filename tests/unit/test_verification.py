@@ -33,8 +33,7 @@ def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int
 
 def rejection_accept(p, q, drafts: list[int], generator) -> list[int]:
     """The tokens :func:`rejection_verify` emits for one request, as a host list."""
-    accepted, candidates = rejection_verify(p, q, torch.tensor(drafts, dtype=torch.long),
-                                            generator)
+    accepted, candidates = rejection_verify(p, q, torch.tensor(drafts, dtype=torch.long), generator)
     return candidates[: int(accepted) + 1].tolist()
 
 
@@ -52,17 +51,21 @@ def dist(values: list[float]) -> torch.Tensor:
 # Target p_j per output position (k + 1 = 4 of them) and draft q_j per draft position.
 # q puts mass where p is 0 (q0[6], q1[4]) and p where q is 0 (p0[5], p1[1], p2[0..1]);
 # acceptance rates sum(min(p, q)) are 0.5, 0.6, 0.5.
-P = torch.stack([
-    dist([0.30, 0.20, 0.15, 0.10, 0.10, 0.15, 0.00, 0.00]),
-    dist([0.05, 0.05, 0.40, 0.20, 0.00, 0.10, 0.10, 0.10]),
-    dist([0.10, 0.10, 0.10, 0.30, 0.10, 0.10, 0.10, 0.10]),
-    dist([0.05, 0.15, 0.25, 0.00, 0.25, 0.15, 0.10, 0.05]),
-])
-Q = torch.stack([
-    dist([0.10, 0.30, 0.05, 0.05, 0.20, 0.00, 0.30, 0.00]),
-    dist([0.20, 0.00, 0.20, 0.20, 0.25, 0.05, 0.05, 0.05]),
-    dist([0.00, 0.00, 0.05, 0.05, 0.10, 0.10, 0.30, 0.40]),
-])
+P = torch.stack(
+    [
+        dist([0.30, 0.20, 0.15, 0.10, 0.10, 0.15, 0.00, 0.00]),
+        dist([0.05, 0.05, 0.40, 0.20, 0.00, 0.10, 0.10, 0.10]),
+        dist([0.10, 0.10, 0.10, 0.30, 0.10, 0.10, 0.10, 0.10]),
+        dist([0.05, 0.15, 0.25, 0.00, 0.25, 0.15, 0.10, 0.05]),
+    ]
+)
+Q = torch.stack(
+    [
+        dist([0.10, 0.30, 0.05, 0.05, 0.20, 0.00, 0.30, 0.00]),
+        dist([0.20, 0.00, 0.20, 0.20, 0.25, 0.05, 0.05, 0.05]),
+        dist([0.00, 0.00, 0.05, 0.05, 0.10, 0.10, 0.30, 0.40]),
+    ]
+)
 
 Verifier = Callable[[torch.Tensor, torch.Tensor, list[int], torch.Generator], list[int]]
 
@@ -71,10 +74,17 @@ def run_trials(verify: Verifier, p: torch.Tensor, q: torch.Tensor, trials: int, 
     """Each trial draws d_i ~ q_i independently and verifies them; returns the emitted lists."""
     k = q.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    drafts = torch.stack(
-        [torch.multinomial(q[i], trials, replacement=True, generator=generator)
-         for i in range(k)], dim=1,
-    ).tolist() if k else [[] for _ in range(trials)]
+    drafts = (
+        torch.stack(
+            [
+                torch.multinomial(q[i], trials, replacement=True, generator=generator)
+                for i in range(k)
+            ],
+            dim=1,
+        ).tolist()
+        if k
+        else [[] for _ in range(trials)]
+    )
     return [verify(p, q, d, generator) for d in drafts]
 
 
@@ -121,7 +131,7 @@ def test_greedy_stops_at_first_mismatch(mismatch):
     target = [5, 6, 7, 8]
     drafts = [5, 6, 7]
     drafts[mismatch] = 99
-    assert greedy_accept(target, drafts) == target[:mismatch + 1]
+    assert greedy_accept(target, drafts) == target[: mismatch + 1]
 
 
 def test_greedy_later_agreement_after_mismatch_is_ignored():
@@ -284,8 +294,11 @@ def _random_requests(generator, num_drafts: list[int], vocab: int):
         if k and index % 2:
             p[0, 0], q[0, 0] = 0.0, 1.0
         p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
-        drafts = torch.multinomial(q, 1, generator=generator).squeeze(1) if k else (
-            torch.zeros(0, dtype=torch.long))
+        drafts = (
+            torch.multinomial(q, 1, generator=generator).squeeze(1)
+            if k
+            else (torch.zeros(0, dtype=torch.long))
+        )
         if k and index % 2:
             drafts[0] = 0
         p_rows.append(p)
@@ -305,14 +318,20 @@ def test_batch_equals_rejection_verify_row_by_row():
         q_rows[5] = p_rows[5][:2].clone()  # always accepted; an empty residual
         seeds = [1000 * trial + i for i in range(len(num_drafts))]
         uniforms, noise = verification.rejection_randoms(
-            num_drafts, vocab, [torch.Generator().manual_seed(s) for s in seeds], None,
-            torch.device("cpu"))
+            num_drafts,
+            vocab,
+            [torch.Generator().manual_seed(s) for s in seeds],
+            None,
+            torch.device("cpu"),
+        )
         accepted, candidates = verification.rejection_verify_batch(
-            *_flat(p_rows, q_rows, drafts_rows), num_drafts, uniforms, noise)
+            *_flat(p_rows, q_rows, drafts_rows), num_drafts, uniforms, noise
+        )
         starts = verification.row_starts(num_drafts)
         for i, k in enumerate(num_drafts):
             ref_accepted, ref_candidates = rejection_verify(
-                p_rows[i], q_rows[i], drafts_rows[i], torch.Generator().manual_seed(seeds[i]))
+                p_rows[i], q_rows[i], drafts_rows[i], torch.Generator().manual_seed(seeds[i])
+            )
             assert int(accepted[i]) == int(ref_accepted), (trial, i)
             assert torch.equal(candidates[starts[i] : starts[i + 1]], ref_candidates), (trial, i)
             outcomes.add((k, int(ref_accepted)))
@@ -330,21 +349,29 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch():
     def run(order, seeds):
         num_drafts = [len(drafts_rows[i]) for i in order]
         generators = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-        randoms = verification.rejection_randoms(num_drafts, vocab, generators,
-                                                 torch.Generator().manual_seed(99),
-                                                 torch.device("cpu"))
+        randoms = verification.rejection_randoms(
+            num_drafts, vocab, generators, torch.Generator().manual_seed(99), torch.device("cpu")
+        )
         accepted, candidates = verification.rejection_verify_batch(
-            *_flat([p_rows[i] for i in order], [q_rows[i] for i in order],
-                   [drafts_rows[i] for i in order]), num_drafts, *randoms)
+            *_flat(
+                [p_rows[i] for i in order],
+                [q_rows[i] for i in order],
+                [drafts_rows[i] for i in order],
+            ),
+            num_drafts,
+            *randoms,
+        )
         starts = verification.row_starts(num_drafts)
         position = order.index(1)
         return int(accepted[position]), candidates[starts[position] : starts[position + 1]]
 
     for seed in range(10):
         alone = run([1], [seed])
-        for order, seeds in (([0, 1, 2, 3], [None, seed, None, 7]),
-                             ([3, 2, 1], [5, None, seed]),
-                             ([1, 0], [seed, None])):
+        for order, seeds in (
+            ([0, 1, 2, 3], [None, seed, None, 7]),
+            ([3, 2, 1], [5, None, seed]),
+            ([1, 0], [seed, None]),
+        ):
             accepted, candidates = run(order, seeds)
             assert accepted == alone[0] and torch.equal(candidates, alone[1]), (seed, order)
 
@@ -356,17 +383,27 @@ def test_invariant2_batched_rejection_sampling_keeps_target_distribution(k):
     generator = torch.Generator().manual_seed(20 + k)
     num_drafts = [k, 2] * (TRIALS // 2)
     p_of = {k: P[[*range(k), 3]], 2: P[[0, 1, 3]]}
-    drafts = {d: torch.stack([torch.multinomial(Q[i], TRIALS // 2, replacement=True,
-                                                generator=generator) for i in range(d)], 1)
-              for d in {k, 2}}
+    drafts = {
+        d: torch.stack(
+            [
+                torch.multinomial(Q[i], TRIALS // 2, replacement=True, generator=generator)
+                for i in range(d)
+            ],
+            1,
+        )
+        for d in {k, 2}
+    }
     target = torch.cat([p_of[d] for d in num_drafts])
     draft = torch.cat([torch.cat([Q[:d], Q[:1]]) for d in num_drafts])
-    tokens = torch.cat([torch.cat([drafts[d][n // 2], torch.tensor([0])])
-                        for n, d in enumerate(num_drafts)])
+    tokens = torch.cat(
+        [torch.cat([drafts[d][n // 2], torch.tensor([0])]) for n, d in enumerate(num_drafts)]
+    )
     uniforms, noise = verification.rejection_randoms(
-        num_drafts, V, [None] * len(num_drafts), generator, torch.device("cpu"))
+        num_drafts, V, [None] * len(num_drafts), generator, torch.device("cpu")
+    )
     accepted, candidates = verification.rejection_verify_batch(
-        target, draft, tokens, num_drafts, uniforms, noise)
+        target, draft, tokens, num_drafts, uniforms, noise
+    )
     starts = verification.row_starts(num_drafts)
     emitted = {d: [] for d in {k, 2}}
     for n, d in enumerate(num_drafts):

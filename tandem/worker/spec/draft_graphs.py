@@ -32,8 +32,9 @@ class DraftGraphRunner:
     the cache block padding rows write to.
     """
 
-    def __init__(self, proposer, num_drafts: int, max_model_len: int, max_num_seqs: int,
-                 scratch_block: int):
+    def __init__(
+        self, proposer, num_drafts: int, max_model_len: int, max_num_seqs: int, scratch_block: int
+    ):
         self.proposer = proposer
         self.num_depths = num_drafts - 1
         self.scratch_block = scratch_block
@@ -43,8 +44,9 @@ class DraftGraphRunner:
         dtype = proposer.kv_caches[0].dtype
         width = -(-max_model_len // block_size)
         self.last_positions = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
-        self.block_tables = torch.full((max_num_seqs, width), scratch_block, dtype=torch.int32,
-                                       device=device)
+        self.block_tables = torch.full(
+            (max_num_seqs, width), scratch_block, dtype=torch.int32, device=device
+        )
         self.tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.hidden = torch.zeros((max_num_seqs, hidden_size), dtype=dtype, device=device)
         self.query_starts = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
@@ -75,20 +77,34 @@ class DraftGraphRunner:
             )
             layer_index = proposer.head.layer_for_depth(depth)
             layer = proposer.head.layers[layer_index]
-            hidden = layer(positions, proposer.model.embed_tokens(tokens), hidden,
-                           proposer.kv_caches[layer_index], metadata, proposer.backend)
+            hidden = layer(
+                positions,
+                proposer.model.embed_tokens(tokens),
+                hidden,
+                proposer.kv_caches[layer_index],
+                metadata,
+                proposer.backend,
+            )
             tokens = proposer.model.compute_logits(layer.final_norm(hidden)).argmax(dim=-1)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 
-    def _fill(self, last_positions: list[int], block_tables: list[list[int]], size: int,
-              tokens: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> None:
+    def _fill(
+        self,
+        last_positions: list[int],
+        block_tables: list[list[int]],
+        size: int,
+        tokens: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         pad = size - len(last_positions)
         block_size = self.proposer.block_size
         width = -(-(max(last_positions + [0]) + self.num_depths + 1) // block_size)
         copy_to(self.last_positions[:size], last_positions + [0] * pad)
-        copy_to(self.block_tables[:size, :width],
-                block_table_array(block_tables, width, size, pad_block=self.scratch_block))
+        copy_to(
+            self.block_tables[:size, :width],
+            block_table_array(block_tables, width, size, pad_block=self.scratch_block),
+        )
         if tokens is not None:
             self.tokens[: len(last_positions)].copy_(tokens)
             self.hidden[: len(last_positions)].copy_(hidden)
@@ -103,8 +119,13 @@ class DraftGraphRunner:
             self.graphs[size] = capture_graph(partial(self._chain, size), pool, stream)
         torch.cuda.synchronize()
 
-    def run(self, last_positions: list[int], block_tables: list[list[int]],
-            tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        last_positions: list[int],
+        block_tables: list[list[int]],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
         """Drafts ``[rows, num_depths]`` after depth 0's ``tokens`` [rows] and ``hidden``
         [rows, hidden] for requests whose last kept positions and block tables are given
         (at most the largest batch size: the caller checks ``padded_size``). A view of a
@@ -112,8 +133,10 @@ class DraftGraphRunner:
         here."""
         size = self.padded_size(len(last_positions))
         if size is None:
-            raise ValueError(f"{len(last_positions)} rows: more than the largest draft graph "
-                             f"({self.batch_sizes[-1]})")
+            raise ValueError(
+                f"{len(last_positions)} rows: more than the largest draft graph "
+                f"({self.batch_sizes[-1]})"
+            )
         self._fill(last_positions, block_tables, size, tokens, hidden)
         if not self.graphs:  # not captured (the CPU): the same chain, eagerly
             return self._chain(size)[: len(last_positions)]

@@ -45,8 +45,15 @@ class Proposal:
 class MTPProposer:
     """Runs the MTP head of a target model over its paged KV cache."""
 
-    def __init__(self, head: MTPHead, model: LlamaModel, kv_caches: list[torch.Tensor],
-                 backend: AttentionBackend, block_size: int, device: torch.device):
+    def __init__(
+        self,
+        head: MTPHead,
+        model: LlamaModel,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        block_size: int,
+        device: torch.device,
+    ):
         self.head, self.model, self.kv_caches = head, model, kv_caches
         self.backend, self.block_size, self.device = backend, block_size, device
         self.graphs = None  # a DraftGraphRunner for depths >= 1 of greedy batches (CUDA)
@@ -56,16 +63,34 @@ class MTPProposer:
             position % self.block_size
         )
 
-    def _layer_pass(self, depth: int, positions: list[int], tokens: torch.Tensor, hidden,
-                    query_lens, seq_lens, block_tables, slots: list[int]) -> torch.Tensor:
+    def _layer_pass(
+        self,
+        depth: int,
+        positions: list[int],
+        tokens: torch.Tensor,
+        hidden,
+        query_lens,
+        seq_lens,
+        block_tables,
+        slots: list[int],
+    ) -> torch.Tensor:
         layer_index = self.head.layer_for_depth(depth)
         device = self.device
-        metadata = self.backend.build_metadata(query_lens, seq_lens, block_tables,
-                                               to_device(slots, torch.long, device),
-                                               self.block_size, device)
+        metadata = self.backend.build_metadata(
+            query_lens,
+            seq_lens,
+            block_tables,
+            to_device(slots, torch.long, device),
+            self.block_size,
+            device,
+        )
         return self.head.layers[layer_index](
-            to_device(positions, torch.long, device), self.model.embed_tokens(tokens), hidden,
-            self.kv_caches[layer_index], metadata, self.backend,
+            to_device(positions, torch.long, device),
+            self.model.embed_tokens(tokens),
+            hidden,
+            self.kv_caches[layer_index],
+            metadata,
+            self.backend,
         )
 
     def propose(
@@ -86,9 +111,12 @@ class MTPProposer:
         positions = [p for r in rows for p in r.positions]
         hidden_rows = to_device([i for r in rows for i in r.hidden_rows], torch.long, device)
         hidden = self._layer_pass(
-            0, positions, to_device([t for r in rows for t in r.next_tokens], torch.long, device),
+            0,
+            positions,
+            to_device([t for r in rows for t in r.next_tokens], torch.long, device),
             target_hidden.index_select(0, hidden_rows),
-            [len(r.positions) for r in rows], [r.positions[-1] + 1 for r in rows],
+            [len(r.positions) for r in rows],
+            [r.positions[-1] + 1 for r in rows],
             [r.block_ids for r in rows],
             [self._slot(r.block_ids, p) for r in rows for p in r.positions],
         )
@@ -100,20 +128,25 @@ class MTPProposer:
             total += len(r.positions)
             ends.append(total - 1)
         hidden = hidden.index_select(
-            0, to_device([ends[i] for i, _ in drafting], torch.long, device))
+            0, to_device([ends[i] for i, _ in drafting], torch.long, device)
+        )
         drafting_rows = [r for _, r in drafting]
         batch = SamplingBatch.build(
             [sampling[r.request_id][0] for r in drafting_rows],
             [sampling[r.request_id][1] for r in drafting_rows],
-            self.model.arch.vocab_size, device,
+            self.model.arch.vocab_size,
+            device,
         )
         max_depth = max(r.num_drafts for r in drafting_rows)
         # Depths >= 1 by one graph replay when every row drafts greedily to the full depth.
         graphs = self.graphs
-        graphed = (graphs is not None and batch.all_greedy
-                   and max_depth == graphs.num_depths + 1 > 1
-                   and all(r.num_drafts == max_depth for r in drafting_rows)
-                   and graphs.padded_size(len(drafting_rows)) is not None)
+        graphed = (
+            graphs is not None
+            and batch.all_greedy
+            and max_depth == graphs.num_depths + 1 > 1
+            and all(r.num_drafts == max_depth for r in drafting_rows)
+            and graphs.padded_size(len(drafting_rows)) is not None
+        )
         tokens_per_depth: list[torch.Tensor] = []
         probs_per_depth: list[torch.Tensor | None] = []
         for depth in range(1 if graphed else max_depth):
@@ -139,8 +172,12 @@ class MTPProposer:
             tokens_per_depth.append(tokens)
             probs_per_depth.append(probs)
         if graphed:
-            later = graphs.run([r.positions[-1] for r in drafting_rows],
-                               [r.block_ids for r in drafting_rows], tokens_per_depth[0], hidden)
+            later = graphs.run(
+                [r.positions[-1] for r in drafting_rows],
+                [r.block_ids for r in drafting_rows],
+                tokens_per_depth[0],
+                hidden,
+            )
             drafts = torch.cat([tokens_per_depth[0].unsqueeze(1), later], dim=1)  # a copy
         else:
             drafts = torch.stack(tokens_per_depth, dim=1)  # [rows, max_depth]
@@ -151,4 +188,3 @@ class MTPProposer:
                     [p[index] for p in probs_per_depth[: row.num_drafts]]
                 )
         return proposal
-

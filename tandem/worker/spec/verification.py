@@ -79,11 +79,21 @@ def rejection_randoms(
         uniforms.uniform_(generator=default_generator)
         noise.exponential_(generator=default_generator)
     elif unseeded:
-        uniforms.index_copy_(0, to_device(unseeded, torch.long, device), torch.rand(
-            (len(unseeded), uniforms.shape[1]), generator=default_generator, device=device))
+        uniforms.index_copy_(
+            0,
+            to_device(unseeded, torch.long, device),
+            torch.rand(
+                (len(unseeded), uniforms.shape[1]), generator=default_generator, device=device
+            ),
+        )
         rows = [starts[i] + j for i in unseeded for j in range(num_drafts[i] + 1)]
-        noise.index_copy_(0, to_device(rows, torch.long, device), torch.empty(
-            (len(rows), vocab_size), device=device).exponential_(generator=default_generator))
+        noise.index_copy_(
+            0,
+            to_device(rows, torch.long, device),
+            torch.empty((len(rows), vocab_size), device=device).exponential_(
+                generator=default_generator
+            ),
+        )
     for i, generator in enumerate(generators):
         if generator is not None:
             k = num_drafts[i]
@@ -113,8 +123,10 @@ def rejection_verify_batch(
     max_drafts = uniforms.shape[1]
     starts = row_starts(num_drafts)
     # Host-built maps of the flat layout (no device value is read).
-    padded = [[start + min(j, k) for j in range(max_drafts)]
-              for start, k in zip(starts, num_drafts)]
+    padded = [
+        [start + min(j, k) for j in range(max_drafts)]
+        for start, k in zip(starts[:-1], num_drafts, strict=True)
+    ]
     valid = [[j < k for j in range(max_drafts)] for k in num_drafts]
     owner = [i for i, k in enumerate(num_drafts) for _ in range(k + 1)]
     offset = [j for k in num_drafts for j in range(k + 1)]
@@ -124,16 +136,17 @@ def rejection_verify_batch(
     p = target_probs.gather(1, index).squeeze(1)
     q = draft_probs.gather(1, index).squeeze(1)
     padded_index = to_device(padded, torch.long, device)
-    passes = (uniforms * q[padded_index] < p[padded_index]) & to_device(valid, torch.bool,
-                                                                           device)
+    passes = (uniforms * q[padded_index] < p[padded_index]) & to_device(valid, torch.bool, device)
     accepted = passes.long().cumprod(dim=1).sum(dim=1)
     residual = (target_probs - draft_probs).clamp_min(0)
     # Bonus rows draw from p itself, as do rows where p == q leaves no residual mass.
     from_target = (residual.sum(dim=-1, keepdim=True) <= 0) | to_device(
-        is_bonus, torch.bool, device)[:, None]
+        is_bonus, torch.bool, device
+    )[:, None]
     draws = _race(torch.where(from_target, target_probs, residual), noise)
-    emits_draft = to_device(offset, torch.long, device) < accepted[
-        to_device(owner, torch.long, device)]
+    emits_draft = (
+        to_device(offset, torch.long, device) < accepted[to_device(owner, torch.long, device)]
+    )
     return accepted, torch.where(emits_draft, draft_tokens, draws)
 
 
