@@ -158,7 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from tandem.disagg.router import run_router
+    from tandem.server.router import run_router
 
     run_router(
         args.prefill,

@@ -166,7 +166,7 @@ class LLM:
             )
         prepared = [self._prepare(p) for p in prompts]
         for _, token_ids in prepared:
-            self.engine.validate(token_ids)
+            self.engine.limits.validate(token_ids)
         order = [
             self.add_request({"prompt": text, "prompt_token_ids": ids}, params)
             for (text, ids), params in zip(prepared, sampling_params, strict=True)
@@ -201,7 +201,7 @@ class LLM:
         if not self.engine.scheduler.has_unfinished_requests():
             # Overlap scheduling leaves the finished requests' last step in flight: settle it
             # so the engine is idle (and the runner has dropped their state) on return.
-            self.engine.drain()
+            self.engine.read_in_flight()
             self.engine.step()
         return [finished[request_id] for request_id in order]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.core.scheduler import RequestUpdate
 from tandem.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tandem.request import TokenLogprobs
 from tandem.sampling_params import SamplingParams
+from tandem.step import RequestUpdate
 from tandem.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 

@@ -112,3 +112,38 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What prompts an engine instance can run: the one validation of a prompt, made by the
+    engine core and, with the limits the core reported, by the API process for its 400s."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+    def validate(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError (naming the problem) if the prompt can never run here."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.vocab_size
+        bad = [
+            t
+            for t in prompt_token_ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens; the context is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        needed = -(-(len(prompt_token_ids) + 1) // self.block_size)
+        if needed > self.num_kv_blocks:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens, more than the KV cache holds "
+                f"({self.num_kv_blocks} blocks of {self.block_size})"
+            )

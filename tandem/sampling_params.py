@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -81,3 +82,17 @@ class SamplingParams:
         if not self.ignore_eos:
             ids |= self.eos_token_ids
         return ids
+
+    def to_dict(self) -> dict:
+        """Plain data for a message between processes (see :meth:`from_dict`)."""
+        data = dataclasses.asdict(self)
+        data["eos_token_ids"] = sorted(self.eos_token_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SamplingParams:
+        """Validated parameters from :meth:`to_dict`'s data (ValueError names a bad field,
+        TypeError an unknown one)."""
+        data = dict(data)
+        data["eos_token_ids"] = frozenset(data.get("eos_token_ids") or ())
+        return cls(**data)

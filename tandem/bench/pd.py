@@ -141,7 +141,7 @@ async def _bench(args) -> dict:
 
     mixed = AsyncEngineClient(base)
     await mixed.start()
-    vocab = mixed.info["vocab_size"]
+    vocab = mixed.info.vocab_size
     warmup_s = await _warm_up(mixed, None, vocab, args)
     result["mixed"] = {**await _load(mixed, None, vocab, args), "warmup_s": warmup_s}
     await mixed.shutdown()
@@ -162,7 +162,7 @@ async def _bench(args) -> dict:
     try:
         await prefill.start()
         await decode.start()
-        remote = prefill.info["control_address"]
+        remote = prefill.info.control_address
         warmup_s = await _warm_up(decode, remote, vocab, args)
         await asyncio.sleep(0.5)  # the warm-up's last stats frames
         p0, d0 = dict(prefill.stats), dict(decode.stats)

@@ -1,11 +1,11 @@
-"""The engine core: scheduler + model runner in one loop. ``step()`` is the whole story:
+"""The engine core: scheduler + worker in one loop. ``step()`` is the whole story:
 
     step = scheduler.schedule()
-    results = model_runner.execute(step)
+    results = pipeline.execute(step)          # worker/step_pipeline.py
     updates = scheduler.update_from_output(step, results)
 
-With overlap scheduling (the default) the model runner works one step ahead: ``step()``
-schedules step n+1, has the runner queue its device work and then read step n, and applies
+With overlap scheduling (the default) the worker works one step ahead: ``step()`` schedules
+step n+1, has the step pipeline queue its device work and then read step n, and applies
 step n while the device computes step n+1. The device's queue is what overlaps the host's
 work with the device's; no second host thread is needed (on the CPU, where every op runs
 as it is issued, the same code runs and simply overlaps nothing).
@@ -17,16 +17,19 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from tandem.config import EngineConfig
 from tandem.core.kv_cache import BlockManager
-from tandem.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerOutput
+from tandem.core.scheduler import Scheduler
 from tandem.models.loader import ModelFiles
 from tandem.models.tensor_parallel import min_over_ranks
-from tandem.request import Request, RequestStatus
+from tandem.request import PromptLimits, Request, RequestStatus
+from tandem.step import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from tandem.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tandem.worker.step_pipeline import StepPipeline
 
 logger = logging.getLogger(__name__)
 # Memory kept out of the KV cache for CUDA graphs' pools and cuBLAS workspaces.
@@ -47,12 +50,35 @@ class StepRecord:
     launch_s: float = 0.0  # the host's time preparing and queueing steps since then
 
 
-class EngineCore:
-    """Owns the scheduler, block manager and model runner of one engine instance."""
+class DisaggRole(Protocol):
+    """A PD instance's side (``tandem.disagg``: prefill or decode), as the loop uses it."""
 
-    def __init__(self, config: EngineConfig, kv_connector=None):
-        """``kv_connector`` (PD roles only): a KVConnector to use instead of the one that
-        ``config.disagg`` names (tests pass an in-process one)."""
+    counters: dict[str, float]
+
+    @property
+    def busy(self) -> bool:
+        """A handover is under way (the engine is not idle)."""
+
+    @property
+    def control_address(self) -> str:
+        """Where peers send this instance's control messages."""
+
+    def poll(self, wait: bool) -> list[RequestUpdate]:
+        """Take the peers' messages (waiting briefly if ``wait``); updates they caused."""
+
+    def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
+        """The step's updates that go to this instance's clients."""
+
+    def close(self) -> None:
+        """Stop the role's threads and close its connector and channel."""
+
+
+class EngineCore:
+    """Owns the scheduler, block manager, model runner and step pipeline of one engine
+    instance. A PD instance's role is attached after construction
+    (``tandem.disagg.setup.start_pd_role``)."""
+
+    def __init__(self, config: EngineConfig):
         self.config = config
         files = ModelFiles(config.model)
         self.model_path = files.path
@@ -78,6 +104,8 @@ class EngineCore:
         max_len = min(max_len, num_blocks * block_size)
         self.max_model_len = max_len
         self.runner.allocate_kv_cache(num_blocks, max_len)
+        self.pipeline = StepPipeline(self.runner)
+        self.limits = PromptLimits(max_len, self.arch.vocab_size, num_blocks, block_size)
         self.block_manager = BlockManager(
             num_blocks, block_size, config.cache.enable_prefix_caching
         )
@@ -91,7 +119,7 @@ class EngineCore:
         self._overlap = config.overlap
         self._in_flight: SchedulerOutput | None = None
         # PD disaggregation: this instance's prefill or decode side (None when mixed).
-        self.pd = self._start_pd(kv_connector) if config.disagg.role != "mixed" else None
+        self.pd: DisaggRole | None = None
         self.counters = {
             "num_requests_added": 0,
             "num_requests_finished": 0,
@@ -111,7 +139,7 @@ class EngineCore:
         """Log every step applied from now on (on CUDA with each step's device time) into
         the returned list, until ``stop_step_log``; the first record counts only the host's
         and the device's time since this call."""
-        self.runner.reader.time_steps = True
+        self.pipeline.reader.time_steps = True
         self._logged_clocks = self._clocks()
         self.step_log = []
         return self.step_log
@@ -119,7 +147,7 @@ class EngineCore:
     def stop_step_log(self) -> None:
         """End the step log (and the timing of steps on the device)."""
         self.step_log = None
-        self.runner.reader.time_steps = False
+        self.pipeline.reader.time_steps = False
 
     def freeze_heap(self) -> None:
         """On CUDA: move every object alive now out of the garbage collector's reach.
@@ -135,38 +163,11 @@ class EngineCore:
             gc.collect()
             gc.freeze()
 
-    def _start_pd(self, connector):
-        from tandem.disagg.control import ControlChannel
-        from tandem.disagg.decode_role import DecodeRole
-        from tandem.disagg.kv_connector import make_kv_connector
-        from tandem.disagg.prefill_role import PrefillRole
-
-        disagg = self.config.disagg
-        if connector is None:
-            options = {}
-            # A write that stalls fails within half the decode side's timeout.
-            timeout_s = max(disagg.transfer_timeout_s / 2, 1.0)
-            if disagg.kv_connector == "mooncake":
-                options = {"hostname": disagg.control_host, "timeout_s": timeout_s}
-            elif disagg.kv_connector == "nccl":  # only a decode instance receives
-                options = {
-                    "host": disagg.control_host,
-                    "timeout_s": timeout_s,
-                    "serve": disagg.role == "decode",
-                }
-            connector = make_kv_connector(disagg.kv_connector, **options)
-        proposer = self.runner.proposer
-        connector.register(self.runner.kv_caches + (proposer.kv_caches if proposer else []))
-        channel = ControlChannel(disagg.control_host, disagg.control_port)
-        logger.info(
-            "%s instance: control channel %s, KV connector %s",
-            disagg.role,
-            channel.address,
-            type(connector).__name__,
-        )
-        if disagg.role == "prefill":
-            return PrefillRole(self, channel, connector)
-        return DecodeRole(self, channel, connector, disagg.transfer_timeout_s)
+    def attach_pd_role(self, role: DisaggRole) -> None:
+        """Make this instance the prefill or decode side that ``role`` runs."""
+        if self.config.disagg.role == "mixed":
+            raise ValueError("a mixed instance takes no PD role")
+        self.pd = role
 
     def _num_kv_blocks(self, bytes_per_block: int) -> int:
         """Blocks that fit in kv_cache_memory_gb, or on CUDA in the memory left under
@@ -203,26 +204,6 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError if the prompt can never run on this engine."""
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens; the context is {self.max_model_len} "
-                "and at least one token must be generated"
-            )
-        needed = self.block_manager.blocks_needed(len(prompt_token_ids) + 1)
-        if needed > self.num_blocks:
-            raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens, more than the KV cache holds "
-                f"({self.num_blocks} blocks of {self.block_manager.block_size})"
-            )
-
     def add_request(self, request: Request) -> None:
         """Queue a request (ValueError if it can never run here). One that names a
         ``remote_prefill`` needs the decode role: its prompt's KV comes from there."""
@@ -232,7 +213,7 @@ class EngineCore:
                 f"{self.config.disagg.role!r}; only a decode instance takes "
                 "requests prefilled elsewhere"
             )
-        self.validate(request.prompt_token_ids)
+        self.limits.validate(request.prompt_token_ids)
         self.scheduler.add_request(request)
         self.counters["num_requests_added"] += 1
         self.counters["num_prompt_tokens"] += request.num_prompt_tokens
@@ -260,7 +241,7 @@ class EngineCore:
     @property
     def control_address(self) -> str | None:
         """PD roles: where peers send this instance's control messages."""
-        return self.pd.channel.address if self.pd is not None else None
+        return self.pd.control_address if self.pd is not None else None
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -276,20 +257,20 @@ class EngineCore:
             updates = self.pd.poll(wait=idle)  # nothing to compute: wait for peers, briefly
             updates += self.pd.after_step(self._step())
         if self._in_flight is None:
-            # No step holds the requests that just ended: the runner forgets them now
+            # No step holds the requests that just ended: the worker forgets them now
             # rather than at the next step, which may never come.
-            self.runner.drop_requests(self.scheduler.take_finished_ids())
+            self.pipeline.batch.drop(self.scheduler.take_finished_ids())
         return updates
 
     def _clocks(self) -> tuple[float, float, float, float]:
         """Cumulative seconds: waiting for the device, the device's own step time (when
         timed), scheduling, launching."""
-        reader = self.runner.reader
+        reader = self.pipeline.reader
         return (
             reader.wait_seconds,
             reader.device_seconds,
             self._schedule_seconds,
-            self.runner.launch_seconds,
+            self.pipeline.launch_seconds,
         )
 
     def _step(self) -> list[RequestUpdate]:
@@ -299,13 +280,13 @@ class EngineCore:
         if not self._overlap:
             if step.is_empty:
                 if step.finished_request_ids:
-                    self.runner.execute(step)  # drop per-request state of finished requests
+                    self.pipeline.execute(step)  # drop per-request state of finished requests
                 return []
-            return self._apply(step, self.runner.execute(step))
+            return self._apply(step, self.pipeline.execute(step))
         previous, self._in_flight = self._in_flight, None
         if previous is None and step.is_empty and not step.finished_request_ids:
             return []
-        output = self.runner.step_ahead(step)
+        output = self.pipeline.step_ahead(step)
         if not step.is_empty:
             self._in_flight = step
         if previous is None:
@@ -340,21 +321,20 @@ class EngineCore:
                 self.counters["num_requests_finished"] += 1
         return updates
 
-    def drain(self) -> list[RequestUpdate]:
+    def read_in_flight(self) -> list[RequestUpdate]:
         """Wait for the step in flight, if any, and apply it (updates for its live rows)."""
         if self._in_flight is None:
             return []
         step, self._in_flight = self._in_flight, None
-        return self._apply(step, self.runner.flush())
+        return self._apply(step, self.pipeline.read_in_flight())
 
     def shutdown(self) -> None:
         """Finish the step in flight and give the device memory (KV cache, CUDA graphs)
         back; the engine cannot run afterwards."""
-        self.drain()
+        self.read_in_flight()
         if self.pd is not None:
             self.pd.close()
-            self.pd.connector.close()
-            self.pd.channel.close()
+        self.pipeline.batch.states.clear()
         self.runner.release()
         gc.unfreeze()  # collectable again (thaws other engines' objects too: harmless)
 

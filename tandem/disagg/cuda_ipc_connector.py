@@ -19,7 +19,7 @@ import pickle
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout
+from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout, gpu_id
 
 # The globals that pickled rebuild_cuda_tensor arguments refer to (dtypes are checked apart).
 _ALLOWED_GLOBALS = {
@@ -36,18 +36,6 @@ class _HandleUnpickler(pickle.Unpickler):
         if (module, name) in _ALLOWED_GLOBALS or isinstance(value, torch.dtype):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in CUDA IPC handles")
-
-
-def gpu_id(device: torch.device | int) -> str:
-    """The GPU's UUID, or its PCI address where torch does not expose the UUID."""
-    props = torch.cuda.get_device_properties(device)
-    uuid = getattr(props, "uuid", None)
-    if uuid is not None:
-        return f"GPU-{uuid}"
-    return (
-        f"PCI-{getattr(props, 'pci_domain_id', 0):04x}:{getattr(props, 'pci_bus_id', 0):02x}:"
-        f"{getattr(props, 'pci_device_id', 0):02x}"
-    )
 
 
 class CudaIpcKVConnector(KVConnector):

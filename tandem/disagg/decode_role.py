@@ -22,11 +22,19 @@ import logging
 import time
 from dataclasses import dataclass
 
-from tandem.core.engine_proc import params_to_dict
-from tandem.core.scheduler import RequestUpdate
 from tandem.disagg.control import ControlChannel
+from tandem.disagg.handoff import insert_handoff
 from tandem.disagg.kv_connector import KVConnector
+from tandem.messages import (
+    KVFailed,
+    KVReady,
+    KVTransferring,
+    PrefillCancel,
+    PrefillStarted,
+    PrefillTask,
+)
 from tandem.request import RequestStatus
+from tandem.step import RequestUpdate
 
 logger = logging.getLogger("tandem.disagg")
 
@@ -40,11 +48,6 @@ class _Pending:
     answered: bool = False
     cancel_sent: bool = False
     transferring_at: float = 0.0  # when the prefill instance last reported progress
-
-
-def _entries(raw: list) -> list:
-    """Logprob entries as msgpack returns them (lists) -> TokenLogprobs tuples."""
-    return [(e[0], e[1], e[2], [tuple(t) for t in e[3]]) for e in raw]
 
 
 class DecodeRole:
@@ -76,25 +79,25 @@ class DecodeRole:
         and ask for the KV of requests whose blocks could be reserved."""
         updates: list[RequestUpdate] = []
         for message in self.channel.receive(10 if wait else 0):
-            request_id = str(message.get("request_id", "")).removeprefix(self._prefix)
+            request_id = message.request_id.removeprefix(self._prefix)
             pending = self._pending.get(request_id)
             if pending is None:
                 continue
-            if message.get("type") in ("started", "transferring"):
+            if isinstance(message, (PrefillStarted, KVTransferring)):
                 # The prefill instance runs it, then writes its KV: the clock restarts.
                 pending.sent_at = time.monotonic()
                 pending.transferring_at = pending.sent_at
                 continue
             pending.answered = True
-            if message.get("type") == "kv_ready":
+            if isinstance(message, KVReady):
                 latency = time.monotonic() - pending.transferring_at
                 self.counters["pd_handoffs"] += 1
                 self.counters["pd_handoff_s_sum"] += latency
                 self.counters["pd_handoff_s_max"] = max(self.counters["pd_handoff_s_max"], latency)
                 updates += self._insert(request_id, message)
-            elif message.get("type") == "kv_failed" and request_id in self.core.scheduler.receiving:
+            elif isinstance(message, KVFailed) and request_id in self.core.scheduler.receiving:
                 updates += self._fail(
-                    request_id, f"prefill instance {pending.prefill} failed: {message.get('error')}"
+                    request_id, f"prefill instance {pending.prefill} failed: {message.error}"
                 )
         updates += self._expire()
         updates += self._ask()
@@ -104,8 +107,14 @@ class DecodeRole:
         """Every update of a decode instance goes to its clients."""
         return updates
 
+    @property
+    def control_address(self) -> str:
+        return self.channel.address
+
     def close(self) -> None:
-        """Nothing runs in the background on this side."""
+        """Close the connector and the channel (nothing runs in the background here)."""
+        self.connector.close()
+        self.channel.close()
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -118,16 +127,15 @@ class DecodeRole:
             self._pending[request_id] = _Pending(request.remote_prefill, now, transferring_at=now)
             sent = self.channel.send(
                 request.remote_prefill,
-                {
-                    "type": "prefill",
-                    "request_id": self._prefix + request_id,
-                    "prompt_token_ids": request.prompt_token_ids,
-                    "params": params_to_dict(request.sampling_params),
-                    "kv": self.connector.descriptor(),
-                    "dst_blocks": list(self.core.block_manager.block_ids(request_id)),
-                    "reply_to": self.channel.address,
-                    "timeout_s": self.timeout_s,
-                },
+                PrefillTask(
+                    self._prefix + request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    self.connector.descriptor(),
+                    list(self.core.block_manager.block_ids(request_id)),
+                    self.channel.address,
+                    self.timeout_s,
+                ),
             )
             if not sent:
                 self._pending[request_id].answered = True  # nothing can come
@@ -136,26 +144,26 @@ class DecodeRole:
                 )
         return updates
 
-    def _insert(self, request_id: str, message: dict) -> list[RequestUpdate]:
+    def _insert(self, request_id: str, ready: KVReady) -> list[RequestUpdate]:
         scheduler = self.core.scheduler
         request = scheduler.receiving.get(request_id)
         if request is None:
             return []  # it ended meanwhile; its held blocks are released by _expire
-        token_id = int(message["token_id"])
-        self.core.runner.insert_handoff(
+        insert_handoff(
+            self.core.pipeline,
             request_id,
-            request.prompt_token_ids + [token_id],
+            request.prompt_token_ids + [ready.token_id],
             request.num_prompt_tokens,
-            message.get("handoff") or {},
+            ready.handoff,
             request.sampling_params.seed,
         )
         update = scheduler.insert_remote(
             request_id,
-            token_id,
-            _entries(message.get("logprobs") or []),
-            _entries(message.get("prompt_logprobs") or []),
-            len((message.get("handoff") or {}).get("drafts") or []),
-            int(message.get("num_cached_tokens", 0)),
+            ready.token_id,
+            ready.logprobs,
+            ready.prompt_logprobs,
+            len(ready.handoff.drafts),
+            ready.num_cached_tokens,
         )
         return [update] if update is not None else []
 
@@ -184,9 +192,7 @@ class DecodeRole:
 
     def _cancel(self, request_id: str, pending: _Pending) -> None:
         pending.cancel_sent = True
-        self.channel.send(
-            pending.prefill, {"type": "cancel", "request_id": self._prefix + request_id}
-        )
+        self.channel.send(pending.prefill, PrefillCancel(self._prefix + request_id))
 
     def _fail(self, request_id: str, error: str) -> list[RequestUpdate]:
         self.counters["pd_failures"] += 1

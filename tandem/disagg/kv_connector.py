@@ -27,6 +27,18 @@ LAYOUT_FIELDS = (
 )
 
 
+def gpu_id(device: torch.device | int) -> str:
+    """The GPU's UUID, or its PCI address where torch does not expose the UUID."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return f"GPU-{uuid}"
+    return (
+        f"PCI-{getattr(props, 'pci_domain_id', 0):04x}:{getattr(props, 'pci_bus_id', 0):02x}:"
+        f"{getattr(props, 'pci_device_id', 0):02x}"
+    )
+
+
 class KVTransferError(RuntimeError):
     """A KV transfer failed, timed out, or the two sides' layouts do not match."""
 
@@ -177,27 +189,3 @@ class LocalKVConnector(KVConnector):
         if self.registry.get(self.name) is self.caches:
             del self.registry[self.name]
         self.caches = []
-
-
-def make_kv_connector(kind: str, **options) -> KVConnector:
-    """A connector of ``kind``: "mooncake" (options of MooncakeKVConnector), "nccl" (point-to-point
-    send/recv between processes, NCCL on GPUs of one host or several, gloo on the CPU; options of
-    NcclKVConnector), "cuda_ipc" (between processes on one GPU host; no options) or "local"
-    (options ``registry`` and ``name``)."""
-    if kind == "local":
-        return LocalKVConnector(**options)
-    if kind == "mooncake":
-        from tandem.disagg.mooncake_connector import MooncakeKVConnector
-
-        return MooncakeKVConnector(**options)
-    if kind == "cuda_ipc":
-        from tandem.disagg.cuda_ipc_connector import CudaIpcKVConnector
-
-        return CudaIpcKVConnector(**options)
-    if kind == "nccl":
-        from tandem.disagg.nccl_connector import NcclKVConnector
-
-        return NcclKVConnector(**options)
-    raise ValueError(
-        f"kind: unknown KV connector {kind!r} (expected 'mooncake', 'nccl', 'cuda_ipc' or 'local')"
-    )

@@ -42,8 +42,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from tandem.disagg.cuda_ipc_connector import gpu_id
-from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout
+from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout, gpu_id
 from tandem.models.tensor_parallel import keep_nvlink_multicast_off
 
 logger = logging.getLogger("tandem.disagg")

@@ -1,18 +1,17 @@
 """The prefill side of PD disaggregation, inside a prefill instance's engine core.
 
-A decode instance sends ``{"type": "prefill", request_id, prompt_token_ids, params, kv,
-dst_blocks, reply_to, timeout_s}``. The request runs here like any other but stops after
-its first token (which is sampled, with its logprobs, and drafted from by the MTP head
-with the request's own sampling parameters) and keeps its blocks. When it starts running
-here the decode instance hears ``{"type": "started"}``; when the token is done, this side tells the
-decode instance ``{"type": "transferring"}`` (its timeout starts again from there) and,
-in a background thread, the connector writes the prompt's KV blocks (target and MTP
-layers) into the decode instance's ``dst_blocks``; only after the write has completed the
-decode instance gets ``{"type": "kv_ready", ...}`` with the first token, its logprobs, the
-prompt logprobs, the drafts and the sampling generator's state; or ``kv_failed`` with the
-reason. Either way the blocks are freed here. A ``cancel`` that comes before the write
-starts ends the request here; one that comes later lets the write finish (the decode
-instance holds those blocks until it hears back, or for a second timeout).
+A decode instance sends a ``PrefillTask`` (``tandem.messages``). The request runs here like
+any other but stops after its first token (which is sampled, with its logprobs, and drafted
+from by the MTP head with the request's own sampling parameters) and keeps its blocks. When
+it starts running here the decode instance hears ``PrefillStarted``; when the token is done,
+this side tells it ``KVTransferring`` (its timeout starts again from there) and, in a
+background thread, the connector writes the prompt's KV blocks (target and MTP layers) into
+the decode instance's ``dst_blocks``; only after the write has completed the decode instance
+gets ``KVReady`` with the first token, its logprobs, the prompt logprobs, the drafts and the
+sampling generator's state; or ``KVFailed`` with the reason. Either way the blocks are freed
+here. A ``PrefillCancel`` that comes before the write starts ends the request here; one that
+comes later lets the write finish (the decode instance holds those blocks until it hears
+back, or for a second timeout).
 """
 
 from __future__ import annotations
@@ -22,11 +21,20 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from tandem.core.engine_proc import params_from_dict
-from tandem.core.scheduler import RequestUpdate
 from tandem.disagg.control import ControlChannel
+from tandem.disagg.handoff import export_handoff
 from tandem.disagg.kv_connector import KVConnector, KVTransferError, check_compatible
+from tandem.messages import (
+    Handoff,
+    KVFailed,
+    KVReady,
+    KVTransferring,
+    PrefillCancel,
+    PrefillStarted,
+    PrefillTask,
+)
 from tandem.request import Request, RequestStatus
+from tandem.step import RequestUpdate
 
 logger = logging.getLogger("tandem.disagg")
 
@@ -44,7 +52,7 @@ class _Job:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     num_cached_tokens: int = 0
-    handoff: dict | None = None
+    handoff: Handoff | None = None
     num_bytes: int = 0  # KV bytes written (all layers, keys and values)
     future: Future | None = None
     started: bool = False  # the decode instance was told the request runs here
@@ -76,13 +84,10 @@ class PrefillRole:
         """Take new prefill requests and cancels; report finished transfers."""
         # Idle: wait for work (briefly while transfers run, to see them end soon).
         for message in self.channel.receive((1 if self._jobs else 10) if wait else 0):
-            kind = message.get("type")
-            if kind == "prefill":
+            if isinstance(message, PrefillTask):
                 self._start(message)
-            elif kind == "cancel":
-                self._cancel(message.get("request_id"))
-            else:
-                logger.warning("prefill instance: unknown control message %r", kind)
+            elif isinstance(message, PrefillCancel):
+                self._cancel(message.request_id)
         self._report_started()
         self._reap()
         return []
@@ -96,7 +101,7 @@ class PrefillRole:
             request = self.core.scheduler.requests.get(job.request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
                 job.started = True
-                self.channel.send(job.reply_to, {"type": "started", "request_id": job.request_id})
+                self.channel.send(job.reply_to, PrefillStarted(job.request_id))
 
     def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
         """Keep the updates of requests run for decode instances (they are not this
@@ -115,31 +120,33 @@ class PrefillRole:
                 self._submit(job)
         return mine
 
+    @property
+    def control_address(self) -> str:
+        return self.channel.address
+
     def close(self) -> None:
-        """Stop the transfer threads (waiting for the ones running)."""
+        """Stop the transfer threads (waiting for the ones running), then close the
+        connector and the channel."""
         self._pool.shutdown(wait=True)
+        self.connector.close()
+        self.channel.close()
 
     # ---- one request ----------------------------------------------------------------------
 
-    def _start(self, message: dict) -> None:
-        request_id, reply_to = message["request_id"], message["reply_to"]
+    def _start(self, task: PrefillTask) -> None:
+        request_id, reply_to = task.request_id, task.reply_to
         try:
-            check_compatible(self.connector.descriptor(), message["kv"])
-            params = params_from_dict(message["params"])
+            check_compatible(self.connector.descriptor(), task.kv)
             # One token here; min_tokens still bans end tokens for it if it is >= 1.
-            params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            request = Request(request_id, list(message["prompt_token_ids"]), params)
+            params = replace(task.params, max_tokens=1, min_tokens=min(task.params.min_tokens, 1))
+            request = Request(request_id, list(task.prompt_token_ids), params)
             request.hold_blocks = True
             self.core.add_request(request)
         except (KVTransferError, ValueError, TypeError, KeyError) as e:
             self._reply_failed(reply_to, request_id, f"{type(e).__name__}: {e}")
             return
         self._jobs[request_id] = _Job(
-            request_id,
-            reply_to,
-            message["kv"],
-            list(message["dst_blocks"]),
-            request.num_prompt_tokens,
+            request_id, reply_to, task.kv, list(task.dst_blocks), request.num_prompt_tokens
         )
 
     def _submit(self, job: _Job) -> None:
@@ -154,12 +161,12 @@ class PrefillRole:
         num_blocks = -(-job.num_prompt_tokens // block_size)
         src_blocks = list(self.core.block_manager.block_ids(job.request_id))[:num_blocks]
         try:
-            job.handoff = self.core.runner.export_handoff(job.request_id)
+            job.handoff = export_handoff(self.core.pipeline, job.request_id)
         except RuntimeError as e:
             self._reply_failed(job.reply_to, job.request_id, str(e))
             self._drop(job)
             return
-        self.channel.send(job.reply_to, {"type": "transferring", "request_id": job.request_id})
+        self.channel.send(job.reply_to, KVTransferring(job.request_id))
         layout = self.connector.descriptor()
         job.num_bytes = 2 * layout["num_layers"] * layout["block_bytes"] * len(src_blocks)
         job.future = self._pool.submit(self._timed_write, job.kv, src_blocks, job.dst_blocks)
@@ -184,21 +191,18 @@ class PrefillRole:
                 self.counters["pd_kv_transfers"] += 1
                 self.counters["pd_kv_bytes"] += job.num_bytes
                 self.counters["pd_kv_transfer_s"] += job.future.result()
-                self.channel.send(
-                    job.reply_to,
-                    {
-                        "type": "kv_ready",
-                        "request_id": job.request_id,
-                        "token_id": job.token_ids[0],
-                        "logprobs": job.logprobs[:1],
-                        "prompt_logprobs": job.prompt_logprobs,
-                        "num_cached_tokens": job.num_cached_tokens,
-                        "handoff": job.handoff,
-                    },
+                ready = KVReady(
+                    job.request_id,
+                    job.token_ids[0],
+                    job.logprobs[:1],
+                    job.prompt_logprobs,
+                    job.num_cached_tokens,
+                    job.handoff,
                 )
+                self.channel.send(job.reply_to, ready)
             self._drop(job)
 
-    def _cancel(self, request_id: str | None) -> None:
+    def _cancel(self, request_id: str) -> None:
         job = self._jobs.get(request_id)
         if job is None:
             return
@@ -215,4 +219,4 @@ class PrefillRole:
     def _reply_failed(self, reply_to: str, request_id: str, error: str) -> None:
         self.counters["pd_failures"] += 1
         logger.warning("prefill for %s failed: %s", request_id, error)
-        self.channel.send(reply_to, {"type": "kv_failed", "request_id": request_id, "error": error})
+        self.channel.send(reply_to, KVFailed(request_id, error))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.transfer import to_device
+from tandem.device_copy import to_device
 
 
 @dataclass
@@ -151,7 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
         device,
         whole_batch: bool,
     ) -> PaddedGroup:
-        # Built from host ints and copied without a wait (see tandem.transfer).
+        # Built from host ints and copied without a wait (see tandem.device_copy).
         q_lens = [query_lens[i] for i in members]
         s_lens = [seq_lens[i] for i in members]
         max_query_len = max(q_lens)

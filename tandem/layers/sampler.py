@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.device_copy import to_device
 from tandem.layers.sampling_kernels import filter_threshold
-from tandem.sampling_params import SamplingParams
-from tandem.transfer import to_device
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters of one step, as device tensors."""
+    """Per-row sampling parameters of one step, as device tensors (the worker builds it
+    from requests' parameters: ``tandem.worker.step_sampler.sampling_batch``)."""
 
     temperature: torch.Tensor  # [N] fp32, 1.0 on greedy rows (unused there)
     greedy: torch.Tensor  # [N] bool
@@ -27,37 +27,6 @@ class SamplingBatch:
     # Per row: its own generator (seeded request) or None (the engine's generator).
     generators: list[torch.Generator | None]
     all_greedy: bool
-
-    @classmethod
-    def build(
-        cls,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-        vocab_size: int,
-        device: torch.device,
-    ) -> SamplingBatch:
-        greedy = [p.greedy for p in params]
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        sampled_rows = [i for i, g in enumerate(greedy) if not g]
-
-        def uses(values: list, off: float) -> bool:
-            return any(values[i] != off for i in sampled_rows)
-
-        return cls(
-            temperature=to_device(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                torch.float32,
-                device,
-            ),
-            greedy=to_device(greedy, torch.bool, device),
-            top_k=to_device(top_k, torch.long, device) if uses(top_k, vocab_size) else None,
-            top_p=to_device(top_p, torch.float32, device) if uses(top_p, 1.0) else None,
-            min_p=to_device(min_p, torch.float32, device) if uses(min_p, 0.0) else None,
-            generators=generators,
-            all_greedy=not sampled_rows,
-        )
 
 
 def apply_filters(

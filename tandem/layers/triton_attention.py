@@ -59,12 +59,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.device_copy import to_device
 from tandem.layers.attention import (
     AttentionBackend,
     AttentionMetadata,
     query_start_locations,
 )
-from tandem.transfer import to_device
 
 try:
     import triton

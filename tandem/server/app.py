@@ -88,7 +88,7 @@ class PrefillAddresses:
 
     async def resolve(self, url: str) -> str:
         """The control address of the prefill instance at ``url`` (ApiError if none)."""
-        role = self.client.info.get("role")
+        role = self.client.info.role
         if role != "decode":
             raise ApiError(
                 400,
@@ -157,7 +157,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not client.info:
+        if client.info is None:
             await client.start()
         yield
         await client.shutdown()
@@ -196,7 +196,7 @@ def build_app(
             "object": "model",
             "created": int(time.time()),
             "owned_by": "tandem",
-            "max_model_len": client.info.get("max_model_len"),
+            "max_model_len": client.info.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -210,10 +210,10 @@ def build_app(
     async def disagg_info():
         info = client.info
         return {
-            "role": info.get("role", "mixed"),
-            "control_address": info.get("control_address"),
-            "num_kv_blocks": info.get("num_kv_blocks"),
-            "block_size": info.get("block_size"),
+            "role": info.role,
+            "control_address": info.control_address,
+            "num_kv_blocks": info.num_kv_blocks,
+            "block_size": info.block_size,
         }
 
     @app.get("/metrics")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import multiprocessing
 import os
 import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -20,14 +20,20 @@ import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
-from tandem.core.engine_proc import (
-    RankSetup,
-    free_port,
-    pack,
-    params_to_dict,
-    run_engine_core,
-    unpack,
-    update_from_list,
+from tandem.engine_process import RankSetup, free_port, run_engine_core
+from tandem.messages import (
+    TO_CLIENT,
+    AbortRequests,
+    AddRejected,
+    AddRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineReady,
+    FinishRequest,
+    Message,
+    Shutdown,
+    StepUpdates,
+    decode,
 )
 from tandem.models.loader import resolve_model
 from tandem.output_processor import OutputProcessor
@@ -64,10 +70,9 @@ class AsyncEngineClient:
             tokenizer = Tokenizer.from_model_path(source)
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
-        self.info: dict = {}
+        self.info: EngineInfo | None = None  # once the core is ready
         self.stats: dict = {}
         self._queues: dict[str, asyncio.Queue] = {}
-        self._ids = itertools.count()
         self._socket_dir = tempfile.mkdtemp(prefix="tandem-")
         self._input_address = f"ipc://{os.path.join(self._socket_dir, 'in')}"
         self._output_address = f"ipc://{os.path.join(self._socket_dir, 'out')}"
@@ -109,12 +114,12 @@ class AsyncEngineClient:
         try:
             while True:
                 if await self._from_core.poll(1000):
-                    message = unpack(await self._from_core.recv())
-                    if message[0] == "ready":
-                        self.info = message[1]
+                    message = decode(await self._from_core.recv(), TO_CLIENT)
+                    if isinstance(message, EngineReady):
+                        self.info = message.info
                         break
-                    if message[0] == "failed":
-                        raise RuntimeError(f"engine core failed to start: {message[1]}")
+                    if isinstance(message, EngineFailed):
+                        raise RuntimeError(f"engine core failed to start: {message.error}")
                 elif self._exited() is not None:
                     raise RuntimeError(f"{self._exited()} exited during startup")
         except BaseException:
@@ -138,7 +143,7 @@ class AsyncEngineClient:
     async def shutdown(self) -> None:
         if any(process.is_alive() for process in self._processes):
             with contextlib.suppress(EngineDeadError):
-                await self._send(["shutdown"])  # the leader forwards it
+                await self._send(Shutdown())  # the leader forwards it
             for process in self._processes:
                 await asyncio.to_thread(process.join, 10)
             self._kill_processes()
@@ -148,10 +153,10 @@ class AsyncEngineClient:
         self._from_core.close(linger=0)
         self._context.term()
 
-    async def _send(self, message: list) -> None:
+    async def _send(self, message: Message) -> None:
         """Send ``message`` to the leader core. Raises EngineDeadError, rather than waiting
         forever, when the send cannot complete and a core process has exited."""
-        data = pack(message)
+        data = message.encode()
         while True:
             try:
                 await asyncio.wait_for(self._to_core.send(data), SEND_CHECK_S)
@@ -175,30 +180,35 @@ class AsyncEngineClient:
                     self._fail_all(f"{exited} exited")
                     return
                 continue
-            message = unpack(await self._from_core.recv())
-            if message[0] == "updates":
-                self.stats = message[2]
-                updates = []
-                for update in map(update_from_list, message[1]):
-                    if update.error is None:
-                        updates.append(update)
-                        continue
-                    self.processor.abort(update.request_id)
-                    queue = self._queues.get(update.request_id)
-                    if queue is not None:
-                        queue.put_nowait(RequestFailed(update.error))
-                outputs, stopped = self.processor.process(updates, delta=True)
-                for request_id, stop_string in stopped:
-                    await self._send(["finish", request_id, stop_string])
-                for output in outputs:
-                    queue = self._queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-            elif message[0] == "error":
-                queue = self._queues.get(message[1])
-                self.processor.abort(message[1])
+            message = decode(await self._from_core.recv(), TO_CLIENT)
+            if isinstance(message, StepUpdates):
+                await self._deliver(message)
+            elif isinstance(message, AddRejected):
+                queue = self._queues.get(message.request_id)
+                self.processor.abort(message.request_id)
                 if queue is not None:
-                    queue.put_nowait(RequestRejected(message[2]))
+                    queue.put_nowait(RequestRejected(message.error))
+
+    async def _deliver(self, message: StepUpdates) -> None:
+        """Route one step's updates: detokenize, match stop strings (finishing matched
+        requests in the core), hand each request's output to its queue."""
+        self.stats = message.stats
+        updates = []
+        for update in message.updates:
+            if update.error is None:
+                updates.append(update)
+                continue
+            self.processor.abort(update.request_id)
+            queue = self._queues.get(update.request_id)
+            if queue is not None:
+                queue.put_nowait(RequestFailed(update.error))
+        outputs, stopped = self.processor.process(updates, delta=True)
+        for request_id, stop_string in stopped:
+            await self._send(FinishRequest(request_id, stop_string))
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
 
     def _fail_all(self, why: str) -> None:
         self.dead = why
@@ -207,19 +217,10 @@ class AsyncEngineClient:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Reject what the core would reject, before it is sent (ValueError)."""
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        max_len = self.info["max_model_len"]
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens; the model's context is {max_len} "
-                "and at least one token must be generated"
-            )
-        vocab = self.info["vocab_size"]
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Reject what the core would reject, before it is sent (ValueError): the core's own
+        validation, with the limits it reported."""
+        self.info.limits.validate(prompt_token_ids)
 
     async def generate(
         self,
@@ -227,23 +228,26 @@ class AsyncEngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         remote_prefill: str | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its delta outputs; aborts it if the caller stops early.
         ``remote_prefill`` (decode instances): the control address of the prefill instance
-        that computes the prompt's KV."""
+        that computes the prompt's KV. ``request_id`` (the HTTP response's id, so a log line
+        traces to what the client saw) must be unique among running requests; one is made
+        when None."""
         if self.dead:
             raise EngineDeadError(self.dead)
-        self.validate_prompt(prompt_token_ids, params)
-        request_id = f"req-{next(self._ids)}"
+        self.validate_prompt(prompt_token_ids)
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already running")
         params = replace(params, eos_token_ids=self.tokenizer.end_token_ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self.processor.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False
         try:
-            await self._send(
-                ["add", request_id, prompt_token_ids, params_to_dict(params), remote_prefill]
-            )
+            await self._send(AddRequest(request_id, prompt_token_ids, params, remote_prefill))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -256,7 +260,7 @@ class AsyncEngineClient:
                 self.processor.abort(request_id)
                 if not self.dead:
                     with contextlib.suppress(EngineDeadError):  # nothing left to abort
-                        await self._send(["abort", [request_id]])
+                        await self._send(AbortRequests([request_id]))
 
     @property
     def num_active_requests(self) -> int:

@@ -29,7 +29,8 @@ class PreparedRequest:
     return_token_ids: bool = False
     # PD: the control address of the prefill instance that computes the prompt's KV.
     remote_prefill: str | None = None
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    # The response's id ("cmpl-..." / "chatcmpl-...") is the engine's request id too.
+    request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -53,12 +54,20 @@ def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> Prep
 
 def _prepared(kind, text, token_ids, body, max_tokens, client) -> PreparedRequest:
     params = body.to_sampling_params(max_tokens, body.checked_logprobs())
-    client.validate_prompt(token_ids, params)
+    client.validate_prompt(token_ids)
     if params.max_tokens is None:
-        params.max_tokens = client.info["max_model_len"] - len(token_ids)
+        params.max_tokens = client.info.max_model_len - len(token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
     return PreparedRequest(
-        kind, text, token_ids, params, body.stream, include_usage, body.return_token_ids
+        kind,
+        text,
+        token_ids,
+        params,
+        body.stream,
+        include_usage,
+        body.return_token_ids,
+        request_id=prefix + uuid.uuid4().hex,
     )
 
 
@@ -84,7 +93,7 @@ class RequestRun:
         start = time.monotonic()
         last = start
         async for output in self.client.generate(
-            p.prompt, p.prompt_token_ids, p.params, p.remote_prefill
+            p.prompt, p.prompt_token_ids, p.params, p.remote_prefill, p.request_id
         ):
             now = time.monotonic()
             new_tokens = len(output.outputs[0].token_ids)
@@ -107,8 +116,7 @@ class RequestRun:
 
     @property
     def response_id(self) -> str:
-        prefix = "cmpl-" if self.prepared.kind == "completion" else "chatcmpl-"
-        return prefix + self.prepared.request_id
+        return self.prepared.request_id
 
     def usage(self) -> dict:
         prompt_tokens = len(self.prepared.prompt_token_ids)

@@ -19,12 +19,12 @@ from functools import partial
 
 import torch
 
+from tandem.device_copy import copy_to
 from tandem.layers.triton_attention import (
     TritonAttentionBackend,
     TritonAttentionMetadata,
     block_table_array,
 )
-from tandem.transfer import copy_to
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

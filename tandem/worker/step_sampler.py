@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.device_copy import to_device
 from tandem.layers.sampler import (
     LogprobsTensors,
     SamplingBatch,
@@ -18,8 +19,7 @@ from tandem.layers.sampler import (
     sample,
 )
 from tandem.sampling_params import SamplingParams
-from tandem.transfer import to_device
-from tandem.worker.spec.verification import (
+from tandem.worker.spec_decode.verification import (
     rejection_randoms,
     rejection_verify_batch,
     row_starts,
@@ -37,6 +37,34 @@ class SamplingRow:
     generator: torch.Generator | None
     num_output_tokens: int  # before this step (for min_tokens)
     draft_probs: torch.Tensor | None = None  # [num_drafts, V] when the drafts were sampled
+
+
+def sampling_batch(
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingBatch:
+    """The device tensors of ``params`` (one row each; seeded rows' own generators)."""
+    greedy = [p.greedy for p in params]
+    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    sampled_rows = [i for i, g in enumerate(greedy) if not g]
+
+    def uses(values: list, off: float) -> bool:
+        return any(values[i] != off for i in sampled_rows)
+
+    temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+    return SamplingBatch(
+        temperature=to_device(temperature, torch.float32, device),
+        greedy=to_device(greedy, torch.bool, device),
+        top_k=to_device(top_k, torch.long, device) if uses(top_k, vocab_size) else None,
+        top_p=to_device(top_p, torch.float32, device) if uses(top_p, 1.0) else None,
+        min_p=to_device(min_p, torch.float32, device) if uses(min_p, 0.0) else None,
+        generators=generators,
+        all_greedy=not sampled_rows,
+    )
 
 
 @dataclass
@@ -106,7 +134,7 @@ def _rejection_sample(
         r.logits_start + min(j + 1, r.num_drafts) for r in rows for j in range(r.num_drafts + 1)
     ]
     index = to_device(logits_rows, torch.long, device)
-    batch = SamplingBatch.build(
+    batch = sampling_batch(
         [r.params for r in rows for _ in range(r.num_drafts + 1)],
         [None] * len(logits_rows),
         vocab,
@@ -161,7 +189,7 @@ def sample_step(
 
     plain = [i for i, r in enumerate(rows) if not r.num_drafts and not r.params.greedy]
     if plain:
-        batch = SamplingBatch.build(
+        batch = sampling_batch(
             [rows[i].params for i in plain], [rows[i].generator for i in plain], vocab, device
         )
         starts = to_device([rows[i].logits_start for i in plain], torch.long, device)

@@ -9,7 +9,7 @@ import pytest
 from tandem import SamplingParams
 from tandem.bench.datasets import load_mtbench
 from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
-from tandem.worker.spec.proposer import Proposal
+from tandem.worker.spec_decode.proposer import Proposal
 
 MAX_TOKENS = 20
 TOLERANCE = 1e-4
@@ -81,11 +81,11 @@ class OracleProposer:
     by the true greedy continuation, with one wrong token every ``wrong_every`` proposals."""
 
     def __init__(
-        self, inner, runner, continuations: dict[tuple[int, ...], list[int]], wrong_every: int
+        self, inner, batch, continuations: dict[tuple[int, ...], list[int]], wrong_every: int
     ):
-        # The runner's own request states: with overlap it may draft for a request that the
+        # The worker's own request states: with overlap it may draft for a request that the
         # scheduler has just finished.
-        self.inner, self.runner, self.continuations = inner, runner, continuations
+        self.inner, self.batch, self.continuations = inner, batch, continuations
         self.wrong_every = wrong_every
         self.calls = 0
 
@@ -96,7 +96,7 @@ class OracleProposer:
             if drafts_tensor is None:
                 continue
             drafts = drafts_tensor.tolist()
-            state = self.runner.states[row.request_id]
+            state = self.batch.states[row.request_id]
             prompt = state.token_ids[: state.num_prompt_tokens]
             # Drafts cover the positions after the bonus token at positions[-1] + 1.
             first_output = row.positions[-1] + 2 - len(prompt)
@@ -117,7 +117,9 @@ def _run_with_oracle(llm, prompts, baseline, params, wrong_every):
         for p, b in zip(prompts, baseline, strict=True)
     }
     original = runner.proposer
-    runner.proposer = OracleProposer(original, runner, continuations, wrong_every)
+    runner.proposer = OracleProposer(
+        original, llm.engine.pipeline.batch, continuations, wrong_every
+    )
     try:
         return llm.generate(prompts, params)
     finally:

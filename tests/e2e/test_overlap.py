@@ -172,7 +172,7 @@ def test_aborts_in_flight_leak_nothing_and_free_once(make_llm, prompts, monkeypa
     assert llm.engine.block_manager.all_blocks_free()
     assert set(log.released) == set(ids)
     assert max(log.released.values()) == 1, "a request's blocks were freed twice"
-    assert not llm.engine.runner.states, "the runner kept state of ended requests"
+    assert not llm.engine.pipeline.batch.states, "the worker kept state of ended requests"
 
 
 @pytest.mark.parametrize("speculative", [None, "mtp"])
@@ -206,10 +206,10 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
     once per step, with sampling, logprobs and prompt logprobs all on, plain and with MTP."""
     options = {"speculative": "mtp", "num_speculative_tokens": 3} if engine == "mtp" else {}
     llm = make_llm(overlap=True, **options)
-    runner = llm.engine.runner
+    pipeline = llm.engine.pipeline
     stray: Counter = Counter()
     inside_reader = threading.Event()
-    read = runner.reader.read
+    read = pipeline.reader.read
 
     def marked_read(tensors):
         inside_reader.set()
@@ -218,7 +218,7 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
         finally:
             inside_reader.clear()
 
-    monkeypatch.setattr(runner.reader, "read", marked_read)
+    monkeypatch.setattr(pipeline.reader, "read", marked_read)
 
     def counting(name):
         original = getattr(torch.Tensor, name)
@@ -230,17 +230,17 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
 
         return wrapper
 
-    execute = runner.step_ahead
+    execute = pipeline.step_ahead
 
     def execute_counted(step):
-        before = runner.reader.num_waits
+        before = pipeline.reader.num_waits
         try:
             with pytest.MonkeyPatch.context() as patch:
                 for name in HOST_READS:
                     patch.setattr(torch.Tensor, name, counting(name))
                 return execute(step)
         finally:
-            waits.append(runner.reader.num_waits - before)
+            waits.append(pipeline.reader.num_waits - before)
 
     waits: list[int] = []
     params = [
@@ -254,11 +254,11 @@ def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monk
         )
         for i in range(16)
     ]
-    runner.step_ahead = execute_counted
+    pipeline.step_ahead = execute_counted
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del runner.step_ahead
+        del pipeline.step_ahead
     assert len(waits) >= 5
     assert max(waits) <= 1, f"a step waited for the device {max(waits)} times"
     assert not stray, f"host reads outside the one wait per step: {dict(stray)}"
@@ -269,14 +269,14 @@ def test_plain_decoding_queues_the_next_step_before_reading(make_llm, prompts, m
     unread: its input token comes from that step's samples on the device."""
     llm = make_llm(overlap=True)
     runner = llm.engine.runner
-    forward = runner._forward
+    forward = runner.forward
     fed_from_device: list[int] = []
 
     def recording_forward(inputs):
         fed_from_device.append(len(inputs.pending_index))
         return forward(inputs)
 
-    monkeypatch.setattr(runner, "_forward", recording_forward)
+    monkeypatch.setattr(runner, "forward", recording_forward)
     llm.generate(prompts, PARAMS["greedy"](), use_tqdm=False)
     assert sum(fed_from_device) >= MAX_TOKENS * len(prompts) // 2
 
@@ -310,7 +310,7 @@ def test_no_hidden_synchronization_on_cuda():
         for i in range(16)
     ]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: allocations, pinning
-    runner = llm.engine.runner
+    pipeline = llm.engine.pipeline
     calls = []
 
     def strict(method):
@@ -325,11 +325,11 @@ def test_no_hidden_synchronization_on_cuda():
         return run
 
     # With overlap the engine calls step_ahead (execute only without it): check both.
-    runner.execute, runner.step_ahead = strict(runner.execute), strict(runner.step_ahead)
+    pipeline.execute, pipeline.step_ahead = strict(pipeline.execute), strict(pipeline.step_ahead)
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        del runner.execute, runner.step_ahead
+        del pipeline.execute, pipeline.step_ahead
         llm.engine.shutdown()
     # The strict mode was on for every step (14 with these prompts on the H200).
     assert len(calls) >= 8 and set(calls) == {"step_ahead"}

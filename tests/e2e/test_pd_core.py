@@ -18,6 +18,7 @@ from tandem.bench.datasets import load_mtbench
 from tandem.config import CacheConfig, DisaggConfig, EngineConfig, SpeculativeConfig
 from tandem.core.engine_core import EngineCore
 from tandem.disagg.kv_connector import LocalKVConnector
+from tandem.disagg.setup import start_pd_role
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
@@ -55,8 +56,10 @@ def cores(request):
     mtp = request.param
     registry: dict = {}
     mixed = EngineCore(_config("mixed", mtp))
-    prefill = EngineCore(_config("prefill", mtp), LocalKVConnector(registry, "prefill"))
-    decode = EngineCore(_config("decode", mtp), LocalKVConnector(registry, "decode"))
+    prefill = EngineCore(_config("prefill", mtp))
+    start_pd_role(prefill, LocalKVConnector(registry, "prefill"))
+    decode = EngineCore(_config("decode", mtp))
+    start_pd_role(decode, LocalKVConnector(registry, "decode"))
     yield mixed, prefill, decode
     for core in (mixed, prefill, decode):
         core.shutdown()

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tandem.bench.datasets import load_mtbench
-from tandem.core.engine_proc import free_port
+from tandem.engine_process import free_port
 from tandem.server.protocol import PREFILL_URL_HEADER
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine (extra 'pd')")

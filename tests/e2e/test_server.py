@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.core.engine_proc import free_port
+from tandem.engine_process import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "secret"

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from tandem import LLM, SamplingParams
 from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
-from tandem.core.engine_proc import free_port
+from tandem.engine_process import free_port
 
 WORLD_SIZE = 2
 TOLERANCE = 1e-4

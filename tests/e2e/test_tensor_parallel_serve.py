@@ -70,7 +70,7 @@ async def _idle(client: AsyncEngineClient) -> dict:
     for _ in range(200):
         stats = client.stats
         if (
-            stats.get("num_free_kv_blocks") == client.info["num_kv_blocks"]
+            stats.get("num_free_kv_blocks") == client.info.num_kv_blocks
             and stats.get("num_running") == 0
             and stats.get("num_waiting") == 0
         ):
@@ -128,7 +128,7 @@ def test_aborts_and_stop_strings_keep_the_ranks_in_step(make_llm, tp_client):
     )
     assert not problems, problems
     stats = loop.run_until_complete(_idle(client))
-    assert stats.get("num_free_kv_blocks") == client.info["num_kv_blocks"], stats
+    assert stats.get("num_free_kv_blocks") == client.info.num_kv_blocks, stats
     assert stats.get("num_running") == 0 and stats.get("num_waiting") == 0, stats
 
 

@@ -65,7 +65,7 @@ def test_engine_logs_each_applied_step(make_llm):
         use_tqdm=False,
     )
     steps_before = engine.metrics()["num_steps"]
-    launch_before, schedule_before = engine.runner.launch_seconds, engine._schedule_seconds
+    launch_before, schedule_before = engine.pipeline.launch_seconds, engine._schedule_seconds
     with recording_steps(engine) as log:
         # 20 + 30 prompt tokens in chunks of at most 16 per step, then decode rows.
         llm.generate(
@@ -81,12 +81,12 @@ def test_engine_logs_each_applied_step(make_llm):
     assert (log[-1].num_rows, log[-1].num_prompt_rows) in {(1, 0), (2, 0)}
     assert [r.time_s for r in log] == sorted(r.time_s for r in log)
     assert all(r.wait_s == 0.0 and r.device_s == 0.0 for r in log)  # no device to wait for
-    assert not engine.runner.reader.time_steps  # step timing ends with the block too
+    assert not engine.pipeline.reader.time_steps  # step timing ends with the block too
     # The host's scheduling and launching are timed, and fit in the steps' intervals.
     assert all(r.schedule_s > 0 and r.launch_s > 0 for r in log[1:])
     assert sum(r.schedule_s + r.launch_s for r in log[1:]) < log[-1].time_s - log[0].time_s
     # Every record, the first included, counts only time spent inside the block.
-    assert sum(r.launch_s for r in log) <= engine.runner.launch_seconds - launch_before + 1e-9
+    assert sum(r.launch_s for r in log) <= engine.pipeline.launch_seconds - launch_before + 1e-9
     assert sum(r.schedule_s for r in log) <= engine._schedule_seconds - schedule_before + 1e-9
     summary = summarize_steps(log)
     assert summary["steps_with_prefill"] + summary["decode_only_steps"] == len(log) - 1

@@ -18,8 +18,8 @@ from tandem.disagg.kv_connector import (
     KVTransferError,
     cache_layout,
     check_compatible,
-    make_kv_connector,
 )
+from tandem.disagg.setup import make_kv_connector
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 16

@@ -13,8 +13,8 @@ from tandem.layers.triton_attention import TritonAttentionBackend
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
 from tandem.sampling_params import SamplingParams
-from tandem.worker.spec.draft_graphs import DraftGraphRunner
-from tandem.worker.spec.proposer import MTPProposer, ProposalRow
+from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
+from tandem.worker.spec_decode.proposer import MTPProposer, ProposalRow
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from tandem.llm import engine_config
+from tandem.messages import AbortRequests
 from tandem.server.engine_client import SEND_CHECK_S, AsyncEngineClient, EngineDeadError
 
 
@@ -31,7 +32,7 @@ def test_a_send_to_an_exited_core_fails_instead_of_waiting(client):
     client._processes = [_process(alive=True), _process(alive=False)]
 
     async def send():
-        await client._send(["abort", ["req-0"]])
+        await client._send(AbortRequests(["req-0"]))
 
     with pytest.raises(EngineDeadError, match="exited"):
         asyncio.run(asyncio.wait_for(send(), 10 * SEND_CHECK_S))
@@ -41,7 +42,7 @@ def test_a_send_keeps_waiting_while_the_core_runs(client):
     client._processes = [_process(alive=True)]
 
     async def send():
-        await client._send(["abort", ["req-0"]])
+        await client._send(AbortRequests(["req-0"]))
 
     with pytest.raises(TimeoutError):  # still waiting for a reader after three checks
         asyncio.run(asyncio.wait_for(send(), 3 * SEND_CHECK_S))

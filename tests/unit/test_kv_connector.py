@@ -19,8 +19,8 @@ from tandem.disagg.kv_connector import (
     LocalKVConnector,
     block_runs,
     check_compatible,
-    make_kv_connector,
 )
+from tandem.disagg.setup import make_kv_connector
 
 try:
     import mooncake.engine  # noqa: F401

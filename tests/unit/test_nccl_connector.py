@@ -14,8 +14,9 @@ import msgpack
 import pytest
 import torch
 
-from tandem.disagg.kv_connector import KVTransferError, make_kv_connector
+from tandem.disagg.kv_connector import KVTransferError
 from tandem.disagg.nccl_connector import NcclKVConnector
+from tandem.disagg.setup import make_kv_connector
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 16

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tandem.disagg.router import build_router_app
 from tandem.server.protocol import PREFILL_URL_HEADER
+from tandem.server.router import build_router_app
 
 PREFILLS = ["http://prefill-0:8000", "http://prefill-1:8000"]
 DECODES = ["http://decode-0:8000", "http://decode-1:8000"]

@@ -10,9 +10,10 @@ import pytest
 
 from tandem.config import SchedulerConfig
 from tandem.core.kv_cache import BlockManager
-from tandem.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from tandem.core.scheduler import Scheduler
 from tandem.request import Request, RequestStatus
 from tandem.sampling_params import SamplingParams
+from tandem.step import ModelRunnerOutput, SchedulerOutput
 
 BS = 4  # block size used throughout
 

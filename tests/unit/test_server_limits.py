@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 
+from tandem.messages import EngineInfo
 from tandem.server.app import build_app
 
 
@@ -16,7 +17,7 @@ class FakeClient:
     def __init__(self, active: int, dead: str | None = None):
         self.num_active_requests = active
         self.dead = dead
-        self.info = {"max_model_len": 128}
+        self.info = EngineInfo(128, 1000, 64, 16, "fake")
         self.stats = {}
 
     async def start(self):  # pragma: no cover - lifespan is not run by these tests

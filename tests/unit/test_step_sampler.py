@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from tandem.layers.sampler import SamplingBatch, apply_filters
+from tandem.layers.sampler import apply_filters
 from tandem.sampling_params import SamplingParams
-from tandem.worker.spec.verification import rejection_verify
-from tandem.worker.step_sampler import SamplingRow, sample_step
+from tandem.worker.spec_decode.verification import rejection_verify
+from tandem.worker.step_sampler import SamplingRow, sample_step, sampling_batch
 
 VOCAB = 64
 
@@ -58,7 +58,7 @@ def _reference(request):
     """rejection_verify on the request's filtered target and its q (one-hot without one)."""
     params, seed, logits, tokens, draft_probs = request
     k = len(logits) - 1
-    batch = SamplingBatch.build([params] * (k + 1), [None] * (k + 1), VOCAB, torch.device("cpu"))
+    batch = sampling_batch([params] * (k + 1), [None] * (k + 1), VOCAB, torch.device("cpu"))
     target = apply_filters(logits, batch)
     if draft_probs is None:
         draft_probs = torch.nn.functional.one_hot(tokens[1:], VOCAB).float()

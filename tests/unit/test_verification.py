@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tandem.worker.spec import verification
-from tandem.worker.spec.verification import exact_draw, greedy_verify, rejection_verify
+from tandem.worker.spec_decode import verification
+from tandem.worker.spec_decode.verification import exact_draw, greedy_verify, rejection_verify
 
 V = 8
 TRIALS = 20_000

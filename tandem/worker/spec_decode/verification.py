@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.transfer import to_device
+from tandem.device_copy import to_device
 
 
 def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.device_copy import to_device
 from tandem.layers.attention import AttentionBackend
-from tandem.layers.sampler import SamplingBatch, apply_filters, draw
+from tandem.layers.sampler import apply_filters, draw
 from tandem.models.llama import LlamaModel
 from tandem.models.mtp import MTPHead
 from tandem.sampling_params import SamplingParams
-from tandem.transfer import to_device
+from tandem.worker.step_sampler import sampling_batch
 
 
 @dataclass
@@ -131,7 +132,7 @@ class MTPProposer:
             0, to_device([ends[i] for i, _ in drafting], torch.long, device)
         )
         drafting_rows = [r for _, r in drafting]
-        batch = SamplingBatch.build(
+        batch = sampling_batch(
             [sampling[r.request_id][0] for r in drafting_rows],
             [sampling[r.request_id][1] for r in drafting_rows],
             self.model.arch.vocab_size,

@@ -1,90 +1,52 @@
-"""The engine core in its own process, talking msgpack frames over ZeroMQ.
+"""The engine core in its own process, talking to the API process over ZeroMQ with the typed
+messages of ``tandem.messages``.
 
-Requests in (PULL): ``["add", request_id, prompt_token_ids, sampling_params_dict]``,
-``["abort", [request_id, ...]]``, ``["finish", request_id, stop_string]``, ``["shutdown"]``.
-Results out (PUSH): ``["ready", info]`` once, then per step ``["updates", [update, ...], stats]``
-where each update is a RequestUpdate as a list, and ``["error", request_id, message]`` for a
-request the core refused.
+Requests come in (PULL): ``AddRequest``, ``AbortRequests``, ``FinishRequest``, ``Shutdown``.
+Results go out (PUSH): ``EngineReady`` once (or ``EngineFailed``), then per step
+``StepUpdates`` (the step's request updates and the engine's counters), and ``AddRejected``
+for a request the core refused. A PD role (prefill or decode) is attached to the core here
+(``tandem.disagg.setup``), so its peers' messages are handled inside the core's steps.
 
 With tensor parallelism (``tensor_parallel_size`` N > 1) the client starts N such processes,
 one per rank, that join one torch.distributed group (``RankSetup``). Rank 0, the leader,
 alone talks to the client: each loop turn it forwards what it took from its input socket, as
-one ``["turn", [message, ...]]`` frame, to every follower before handling it; a follower
-handles the same messages in the same order and takes the same steps, so all ranks'
-schedulers stay in lockstep and meet in the same collectives. Only the leader sends results.
+one ``Turn``, to every follower before handling it; a follower handles the same messages in
+the same order and takes the same steps, so all ranks' schedulers stay in lockstep and meet
+in the same collectives. Only the leader sends results.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
 import traceback
 from dataclasses import dataclass, replace
 
-import msgpack
 import zmq
 
 from tandem.config import EngineConfig, ParallelConfig
-from tandem.core.scheduler import RequestUpdate
+from tandem.messages import (
+    TO_ENGINE,
+    AbortRequests,
+    AddRejected,
+    AddRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineReady,
+    FinishRequest,
+    Message,
+    MessageError,
+    Shutdown,
+    StepUpdates,
+    Turn,
+    decode,
+)
 from tandem.request import Request
-from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger("tandem.engine")
 
 POLL_IDLE_MS = 100
-
-
-def pack(message: list) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(frame: bytes) -> list:
-    return msgpack.unpackb(frame, raw=False, strict_map_key=False)
-
-
-def params_to_dict(params: SamplingParams) -> dict:
-    data = dataclasses.asdict(params)
-    data["eos_token_ids"] = sorted(params.eos_token_ids)
-    return data
-
-
-def params_from_dict(data: dict) -> SamplingParams:
-    data = dict(data)
-    data["eos_token_ids"] = frozenset(data.get("eos_token_ids") or ())
-    return SamplingParams(**data)
-
-
-def update_to_list(update: RequestUpdate) -> list:
-    return [
-        update.request_id,
-        update.new_token_ids,
-        [list(e) for e in update.new_logprobs],
-        [list(e) for e in update.new_prompt_logprobs],
-        update.finish_reason,
-        update.stop_reason,
-        update.num_cached_tokens,
-        update.error,
-    ]
-
-
-def update_from_list(data: list) -> RequestUpdate:
-    request_id, tokens, logprobs, prompt_logprobs, finish, stop, cached, error = data
-
-    def as_entries(entries: list) -> list:
-        return [(e[0], e[1], e[2], [tuple(t) for t in e[3]]) for e in entries]
-
-    return RequestUpdate(
-        request_id,
-        tokens,
-        as_entries(logprobs),
-        as_entries(prompt_logprobs),
-        finish,
-        stop,
-        cached,
-        error,
-    )
 
 
 @dataclass(frozen=True)
@@ -139,6 +101,7 @@ class EngineCoreProcess:
         setup: RankSetup | None = None,
     ):
         from tandem.core.engine_core import EngineCore
+        from tandem.disagg.setup import start_pd_role
 
         if setup is not None:
             config = join_tensor_parallel_group(config, setup)
@@ -158,37 +121,38 @@ class EngineCoreProcess:
                 follower.bind(address)
                 self.followers.append(follower)
         self.core = EngineCore(config)
+        if config.disagg.role != "mixed":
+            start_pd_role(self.core)
         self.running = True
         self._parent = os.getppid()  # the API process; if it dies, so does this one
 
-    def info(self) -> dict:
+    def info(self) -> EngineInfo:
+        """This engine's limits and role, for the client."""
         core = self.core
-        return {
-            "max_model_len": core.max_model_len,
-            "vocab_size": core.arch.vocab_size,
-            "num_kv_blocks": core.num_blocks,
-            "block_size": core.block_manager.block_size,
-            "model_path": core.model_path,
-            "role": core.config.disagg.role,
-            "control_address": core.control_address,
-        }
+        return EngineInfo(
+            max_model_len=core.max_model_len,
+            vocab_size=core.arch.vocab_size,
+            num_kv_blocks=core.num_blocks,
+            block_size=core.block_manager.block_size,
+            model_path=core.model_path,
+            role=core.config.disagg.role,
+            control_address=core.control_address,
+        )
 
-    def _handle(self, message: list) -> None:
-        kind = message[0]
-        if kind == "add":
-            _, request_id, prompt_ids, params, *rest = message
+    def _handle(self, message: Message) -> None:
+        if isinstance(message, AddRequest):
             try:
-                request = Request(request_id, prompt_ids, params_from_dict(params))
-                request.remote_prefill = rest[0] if rest else None
+                request = Request(message.request_id, message.prompt_token_ids, message.params)
+                request.remote_prefill = message.remote_prefill
                 self.core.add_request(request)
             except ValueError as e:
-                self._send(["error", request_id, str(e)])
-        elif kind == "abort":
-            for request_id in message[1]:
+                self._send(AddRejected(message.request_id, str(e)))
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
                 self.core.abort_request(request_id)
-        elif kind == "finish":
-            self.core.finish_request(message[1], message[2])
-        elif kind == "shutdown":
+        elif isinstance(message, FinishRequest):
+            self.core.finish_request(message.request_id, message.stop_string)
+        elif isinstance(message, Shutdown):
             self.running = False
 
     def _pd_iteration(self) -> None:
@@ -200,11 +164,20 @@ class EngineCoreProcess:
             return
         updates = self.core.step()
         if updates or busy or handled:
-            self._send(["updates", [update_to_list(u) for u in updates], self.core.metrics()])
+            self._send(StepUpdates(updates, self.core.metrics()))
 
-    def _send(self, message: list) -> None:
+    def _send(self, message: Message) -> None:
         if self.outputs is not None:  # followers report nothing: the leader does
-            self.outputs.send(pack(message))
+            self.outputs.send(message.encode())
+
+    def _receive(self) -> Message | None:
+        """The next input message; a malformed one is dropped with a log line (None)."""
+        frame = self.inputs.recv()
+        try:
+            return decode(frame, TO_ENGINE)
+        except MessageError as e:
+            logger.warning("engine core: dropped an input message: %s", e)
+            return None
 
     def _drain_inputs(self, block: bool) -> int:
         """Handle every waiting message (a follower: its leader's next turn, waiting for it
@@ -214,10 +187,12 @@ class EngineCoreProcess:
         timeout = POLL_IDLE_MS if block else 0
         messages = []
         while self.inputs.poll(timeout):
-            messages.append(unpack(self.inputs.recv()))
+            message = self._receive()
+            if message is not None:
+                messages.append(message)
             timeout = 0
         if self.followers:  # every turn, so the followers take their steps in step with us
-            turn = pack(["turn", messages])
+            turn = Turn(messages).encode()
             for follower in self.followers:
                 follower.send(turn)
         for message in messages:
@@ -230,13 +205,14 @@ class EngineCoreProcess:
             if os.getppid() != self._parent:
                 self.running = False
                 return 0
-        _, messages = unpack(self.inputs.recv())
+        turn = self._receive()
+        messages = turn.messages if isinstance(turn, Turn) else []
         for message in messages:
             self._handle(message)
         return len(messages)
 
     def run(self) -> None:
-        self._send(["ready", self.info()])
+        self._send(EngineReady(self.info()))
         while self.running:
             if os.getppid() != self._parent:
                 logger.error("the API process exited; the engine core stops")
@@ -250,10 +226,10 @@ class EngineCoreProcess:
             if not self.core.has_unfinished_requests():
                 if handled:  # aborts or finishes emptied the engine: report the idle state
                     self.core.step()  # lets the runner drop finished requests' state
-                    self._send(["updates", [], self.core.metrics()])
+                    self._send(StepUpdates([], self.core.metrics()))
                 continue
             updates = self.core.step()
-            self._send(["updates", [update_to_list(u) for u in updates], self.core.metrics()])
+            self._send(StepUpdates(updates, self.core.metrics()))
         self.core.shutdown()
         for sock in (self.inputs, self.outputs, *self.followers):
             if sock is not None:
@@ -273,7 +249,7 @@ def run_engine_core(
         context = zmq.Context()
         sock = context.socket(zmq.PUSH)
         sock.connect(output_address)
-        sock.send(pack(["failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"]))
+        sock.send(EngineFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}").encode())
         sock.close(linger=1000)
         context.term()
         return

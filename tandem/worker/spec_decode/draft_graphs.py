@@ -19,15 +19,15 @@ from functools import partial
 
 import torch
 
+from tandem.device_copy import copy_to
 from tandem.layers.triton_attention import TritonAttentionMetadata, block_table_array
-from tandem.transfer import copy_to
 from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch_sizes
 
 
 class DraftGraphRunner:
     """Runs draft depths 1..``num_drafts - 1`` of an MTP proposer for greedy batches.
 
-    ``proposer`` is the :class:`~tandem.worker.spec.proposer.MTPProposer` whose head,
+    ``proposer`` is the :class:`~tandem.worker.spec_decode.proposer.MTPProposer` whose head,
     target model (embedding, lm_head) and MTP KV caches the graphs use; ``scratch_block``
     the cache block padding rows write to.
     """

@@ -1,0 +1,73 @@
+"""A request's worker state handed from a prefill instance to a decode instance: its MTP
+drafts (with their distributions when sampled) and its sampling generator's state, so that
+the decode instance continues the request exactly as the prefill instance would have."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tandem.device_copy import to_device
+from tandem.messages import Handoff
+from tandem.worker.input_batch import RequestState
+from tandem.worker.step_pipeline import StepPipeline
+
+
+def export_handoff(pipeline: StepPipeline, request_id: str) -> Handoff:
+    """The request's drafts and generator state. Reads the device: call it once the step
+    that drafted them has been read."""
+    state = pipeline.batch.states.get(request_id)
+    if state is None:
+        raise RuntimeError(f"request {request_id!r} has no worker state to hand over")
+    drafts = state.drafts.tolist() if state.drafts is not None else []
+    draft_probs = draft_probs_shape = generator_state = None
+    if state.draft_probs is not None:
+        probs = state.draft_probs.float().cpu().contiguous()
+        draft_probs, draft_probs_shape = probs.numpy().tobytes(), list(probs.shape)
+    if state.generator is not None:
+        generator_state = state.generator.get_state().numpy().tobytes()
+    return Handoff(drafts, draft_probs, draft_probs_shape, generator_state)
+
+
+def insert_handoff(
+    pipeline: StepPipeline,
+    request_id: str,
+    token_ids: list[int],
+    num_prompt_tokens: int,
+    handoff: Handoff,
+    seed: int | None,
+) -> None:
+    """Start the worker state of a request whose prompt KV a prefill instance wrote: every
+    prompt position is computed, the first output token is the last of ``token_ids``, and
+    the next step verifies the handed-over drafts (copied without a wait: a step may be in
+    flight). ValueError if the handoff's arrays do not fit together."""
+    device = pipeline.device
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device)
+        if handoff.generator_state is not None:
+            data = np.frombuffer(handoff.generator_state, dtype=np.uint8).copy()
+            generator.set_state(torch.from_numpy(data))
+        else:
+            generator.manual_seed(seed)
+    state = RequestState(
+        list(token_ids),
+        num_prompt_tokens,
+        num_prompt_tokens,
+        generator,
+        num_prompt_logprobs=num_prompt_tokens,
+    )
+    if handoff.drafts and pipeline.runner.proposer is not None:
+        state.drafts = to_device(handoff.drafts, torch.long, device)
+        if handoff.draft_probs is not None:
+            shape = tuple(handoff.draft_probs_shape or ())
+            probs = np.frombuffer(handoff.draft_probs, dtype=np.float32)
+            if len(shape) != 2 or shape[0] != len(handoff.drafts) or probs.size != np.prod(shape):
+                raise ValueError(
+                    f"handoff: draft_probs of shape {list(shape)} do not fit "
+                    f"{len(handoff.drafts)} drafts ({probs.size} values)"
+                )
+            state.draft_probs = to_device(
+                torch.from_numpy(probs.copy()).view(*shape), torch.float32, device
+            )
+    pipeline.batch.states[request_id] = state

@@ -1,0 +1,280 @@
+"""The step pipeline: launch a step's device work, read its results, and (overlap scheduling)
+launch the next step before reading the one in flight. All of overlap lives here.
+
+``launch`` queues a step (inputs, forward, sampling and verification, logprobs, the copies
+of the results to the host) without waiting; ``read`` waits once for a launched step's
+results and applies them to the worker's request states (then drafts the next tokens with
+the MTP head). ``execute`` is launch-then-read; ``step_ahead`` launches the new step and
+reads the previous one; ``read_in_flight`` reads the last launched step at the end of a
+run. The host waits for the device only inside ``read`` (DESIGN.md invariant 6).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.device_copy import DeviceReader, PendingRead, to_device
+from tandem.layers.sampler import LogprobsTensors, compute_logprobs
+from tandem.step import ModelRunnerOutput, SchedulerOutput
+from tandem.worker.input_batch import PLACEHOLDER, InputBatch, RowPlan, StepInputs
+from tandem.worker.model_runner import ModelRunner, on_runner_device
+from tandem.worker.spec_decode.proposer import ProposalRow
+from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued and whose results the host has not read yet."""
+
+    inputs: StepInputs
+    sampling_plans: list[RowPlan]
+    sampling_rows: list[SamplingRow]
+    sample: StepSample | None
+    prompt_logprobs: LogprobsTensors | None
+    reads: PendingRead | None  # the step's results on their way to the host
+    hidden: torch.Tensor
+    output: ModelRunnerOutput
+    advanced: bool  # request states were advanced at launch (plain decoding)
+
+
+class StepPipeline:
+    """Launches and reads the steps of one model runner (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.device = runner.device
+        self.batch = InputBatch(runner.device, runner.block_size)
+        # Every rank seeds alike, so all sample the same tokens from the same full logits.
+        self.default_generator = torch.Generator(device=self.device).manual_seed(runner.config.seed)
+        self.reader = DeviceReader(self.device)
+        self.launch_seconds = 0.0  # the host's time in launch (preparing, queueing steps)
+        self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and read its results (no overlap)."""
+        launched = self._timed_launch(step)
+        return self.read(launched) if launched is not None else ModelRunnerOutput()
+
+    @on_runner_device
+    @torch.inference_mode()
+    def step_ahead(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Overlap scheduling: queue ``step``'s device work, then read the step launched by
+        the previous call and return its output (None when there was none). With plain
+        decoding the new step is queued before the read, so the device never waits for the
+        host's bookkeeping; with MTP the new step's drafts and positions depend on the
+        previous step's accepted tokens, so that step is read first."""
+        previous, self._launched = self._launched, None
+        output = None
+        if previous is not None and (self.runner.proposer is not None or step.is_empty):
+            output, previous = self.read(previous), None
+        self._launched = self._timed_launch(step)
+        if previous is not None:
+            output = self.read(previous)
+        return output
+
+    @on_runner_device
+    @torch.inference_mode()
+    def read_in_flight(self) -> ModelRunnerOutput | None:
+        """Read the step launched last, if any (the end of an overlapped run)."""
+        previous, self._launched = self._launched, None
+        return self.read(previous) if previous is not None else None
+
+    def _timed_launch(self, step: SchedulerOutput) -> LaunchedStep | None:
+        started = time.perf_counter()
+        try:
+            return self.launch(step)
+        finally:
+            self.launch_seconds += time.perf_counter() - started
+
+    def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
+        """Queue one step's device work (forward, sampling, logprobs) without waiting."""
+        for request_id in step.finished_request_ids:
+            self.batch.states.pop(request_id, None)
+        if step.is_empty:
+            return None
+        begun = self.reader.begin()
+        inputs = self.batch.prepare(step)
+        hidden, input_ids = self.runner.forward(inputs)
+        sampling_plans = [plan for plan in inputs.plans if plan.samples]
+        sampling_rows: list[SamplingRow] = []
+        logits_rows: list[int] = []
+        for plan in sampling_plans:
+            state = plan.state
+            sampling_rows.append(
+                SamplingRow(
+                    len(logits_rows),
+                    plan.num_drafts,
+                    plan.row.request.sampling_params,
+                    state.generator,
+                    len(state.token_ids) - state.num_prompt_tokens,
+                    state.draft_probs,
+                )
+            )
+            first = plan.offset + plan.num_known - 1
+            logits_rows += range(first, first + 1 + plan.num_drafts)
+        num_sampling = len(logits_rows)
+        logits_rows += [i for _, indices, _ in inputs.prompt_rows for i in indices]
+        reads: list[torch.Tensor] = []
+        sample = prompt_logprobs = None
+        if logits_rows:
+            rows = to_device(logits_rows, torch.long, self.device)
+            logits = self.runner.model.compute_logits(hidden.index_select(0, rows))
+            if sampling_rows:
+                sample = sample_step(
+                    sampling_rows,
+                    logits[:num_sampling],
+                    input_ids.index_select(0, rows[:num_sampling]),
+                    self.default_generator,
+                )
+                reads += [sample.candidates, sample.num_emitted]
+                if sample.logprobs is not None:
+                    reads += sample.logprobs.tensors()
+            if inputs.prompt_rows:
+                prompt_logprobs = self._prompt_logprobs(inputs, logits[num_sampling:])
+                reads += prompt_logprobs.tensors()
+        launched = LaunchedStep(
+            inputs,
+            sampling_plans,
+            sampling_rows,
+            sample,
+            prompt_logprobs,
+            self.reader.start(reads, begun) if reads else None,
+            hidden,
+            ModelRunnerOutput(),
+            self.runner.proposer is None,
+        )
+        if launched.advanced:
+            self._advance(launched)
+        return launched
+
+    def _advance(self, launched: LaunchedStep) -> None:
+        """Plain decoding emits exactly one token per sampling row, so the request states
+        move on at launch: the next step can be prepared before this one is read."""
+        sampled = {id(plan) for plan in launched.sampling_plans}
+        for plan in launched.inputs.plans:
+            if id(plan) not in sampled:
+                plan.state.num_computed += plan.num_known
+        for plan, row in zip(launched.sampling_plans, launched.sampling_rows, strict=True):
+            state = plan.state
+            state.num_computed = len(state.token_ids)
+            plan.placeholder = len(state.token_ids)
+            state.token_ids.append(PLACEHOLDER)
+            state.pending_token = (launched.sample.candidates, row.logits_start)
+
+    def read(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step once, read its results and apply them."""
+        host = self.reader.read(launched.reads) if launched.reads is not None else []
+        output = launched.output
+        emitted = self._emit(launched, host, output)
+        if launched.prompt_logprobs is not None:
+            self._report_prompt_logprobs(launched.inputs, host[-4:], output)
+        if not launched.advanced:
+            for plan in launched.inputs.plans:
+                if plan.request_id not in emitted:
+                    plan.state.num_computed += plan.num_known
+        if self.runner.proposer is not None:
+            self._propose(launched.inputs, launched.hidden, emitted, output)
+        return output
+
+    def _emit(self, launched: LaunchedStep, host: list, output) -> dict[str, list[int]]:
+        """Apply the step's tokens to the request states and the output."""
+        emitted: dict[str, list[int]] = {}
+        sample = launched.sample
+        if sample is None:
+            return emitted
+        candidates, num_emitted = host[0], host[1]
+        logprobs = {}
+        if sample.logprobs is not None:
+            entries = LogprobsTensors.from_host(host[2:6])
+            logprobs = dict(zip(sample.logprob_rows, entries, strict=True))
+        for plan, sampling_row, count in zip(
+            launched.sampling_plans, launched.sampling_rows, num_emitted, strict=True
+        ):
+            first = sampling_row.logits_start
+            tokens = candidates[first : first + count]
+            request_id = plan.request_id
+            emitted[request_id] = output.sampled_token_ids[request_id] = tokens
+            if plan.num_drafts:
+                output.num_verified_drafts[request_id] = plan.num_drafts
+            top_n = sampling_row.params.logprobs
+            if top_n is not None:
+                output.logprobs[request_id] = [
+                    (
+                        token,
+                        logprobs[first + j][0],
+                        logprobs[first + j][1],
+                        logprobs[first + j][2][:top_n],
+                    )
+                    for j, token in enumerate(tokens)
+                ]
+            state = plan.state
+            if launched.advanced:
+                # The placeholder stays where it was unless the request was reset since.
+                if state.token_ids[plan.placeholder : plan.placeholder + 1] == [PLACEHOLDER]:
+                    state.token_ids[plan.placeholder] = tokens[0]
+                if state.pending_token is not None and state.pending_token[0] is sample.candidates:
+                    state.pending_token = None
+                continue
+            state.num_computed = len(state.token_ids) + count - 1
+            state.token_ids.extend(tokens)
+            state.drafts = state.draft_probs = None
+        return emitted
+
+    def _propose(self, inputs: StepInputs, hidden, emitted, output) -> None:
+        """Run the MTP head over the step's kept positions and draft the next tokens."""
+        k = self.runner.config.speculative.num_speculative_tokens
+        rows: list[ProposalRow] = []
+        sampling = {}
+        for plan in inputs.plans:
+            request_id = plan.request_id
+            state = plan.state
+            new_tokens = emitted.get(request_id, [])
+            # Kept positions: the known tokens computed here plus the accepted drafts.
+            num_kept = plan.num_known + max(len(new_tokens) - 1, 0)
+            kept = list(range(plan.start, plan.start + num_kept))
+            num_drafts = 0
+            if new_tokens:
+                # Drafts beyond the context would have no KV slot.
+                num_drafts = max(0, min(k, self.runner.max_model_len - 1 - (kept[-1] + 1)))
+                sampling[request_id] = (plan.row.request.sampling_params, state.generator)
+            rows.append(
+                ProposalRow(
+                    request_id,
+                    kept,
+                    [plan.offset + p - plan.start for p in kept],
+                    [state.token_ids[p + 1] for p in kept],
+                    plan.row.block_ids,
+                    num_drafts,
+                )
+            )
+        proposal = self.runner.proposer.propose(rows, hidden, sampling, self.default_generator)
+        for request_id, drafts in proposal.draft_token_ids.items():
+            state = self.batch.states[request_id]
+            state.drafts = drafts
+            state.draft_probs = proposal.draft_probs.get(request_id)
+            output.num_drafts[request_id] = int(drafts.shape[0])
+
+    def _prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> LogprobsTensors:
+        targets = [t for _, _, row_targets in inputs.prompt_rows for t in row_targets]
+        num_top = max(
+            plan.row.request.sampling_params.prompt_logprobs for plan, _, _ in inputs.prompt_rows
+        )
+        return compute_logprobs(logits, to_device(targets, torch.long, self.device), num_top)
+
+    def _report_prompt_logprobs(self, inputs: StepInputs, host: list[list], output) -> None:
+        entries = LogprobsTensors.from_host(host)
+        offset = 0
+        for plan, indices, row_targets in inputs.prompt_rows:
+            top_n = plan.row.request.sampling_params.prompt_logprobs
+            output.prompt_logprobs[plan.request_id] = [
+                (target, logprob, rank, top[:top_n])
+                for target, (logprob, rank, top) in zip(
+                    row_targets, entries[offset : offset + len(indices)], strict=True
+                )
+            ]
+            plan.state.num_prompt_logprobs = plan.start + indices[-1] - plan.offset + 1
+            offset += len(indices)
