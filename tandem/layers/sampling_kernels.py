@@ -78,7 +78,7 @@ def filter_threshold(
 ) -> torch.Tensor:
     """``filter_threshold_reference`` by one program per row where that pays, or always
     with ``use_triton=True``. Measured on the H200 at the 128,256-token vocabulary
-    (``scripts/kernel_sweep.py``, benchmarks/results/kernel-sweep-sampling-*.json): with
+    (``scripts/kernel_sweep.py``, benchmarks/results/kernels/kernel-sweep-sampling-*.json): with
     one of top-k and top-p, 256 rows take 2.22 / 2.67 ms against the sort's 2.42 / 3.44;
     64 rows (too few programs to fill the GPU) 1.44 / 1.76 ms against 0.66 / 1.12, and both
     filters together need two searches (4.71 ms against 3.35 at 256 rows). So by default
