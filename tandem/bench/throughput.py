@@ -114,7 +114,7 @@ def _run_tandem(
 def _profile_tandem(llm: Any, reqs: list[BenchRequest]) -> dict:
     """``reqs`` once more under the CUDA profiler: the share of the run's wall time in which
     the GPU was busy, and the device operations ranked by total time."""
-    from tandem.bench.decode import profile_generate
+    from tandem.bench.device_profile import profile_generate
 
     prompts, params = _engine_inputs(reqs)
     profiled = profile_generate(llm, prompts, params, llm.engine.config.device, top=20)
