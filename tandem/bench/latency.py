@@ -33,7 +33,7 @@ def weight_bytes(model) -> int:
 def _kernel_profile(llm, prompts: list[dict], params, steps: int) -> dict:
     """One more run under the CUDA profiler: GPU busy time per decode step and the device
     operations that take it, by total time (what is left between a step and the roofline)."""
-    from tandem.bench.decode import profile_generate
+    from tandem.bench.device_profile import profile_generate
 
     profiled = profile_generate(llm, prompts, params, llm.engine.config.device)
     if "note" in profiled:

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from tandem.bench.datasets import random_requests
 from tandem.bench.results import result_path, write_json
-from tandem.bench.serving import latency_stats
+from tandem.bench.serving_report import latency_stats
 
 
 def _new_record() -> dict:

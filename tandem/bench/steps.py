@@ -139,7 +139,7 @@ def profile_step_window(
     steps applied in the window."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tandem.bench.decode import busy_fraction, device_intervals, kernel_totals
+    from tandem.bench.device_profile import busy_fraction, device_intervals, kernel_totals
     from tandem.bench.timing import sync_device
 
     if first < 0 or count < 1:

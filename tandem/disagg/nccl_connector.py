@@ -19,12 +19,8 @@ reporting (torch 2.11: ``Work.wait(timeout)`` did not end it sooner), and until 
 device-wide synchronize in the receiving process waits too. A sender that dies idle leaves one
 blocked thread until ``close()``.
 
-NCCL settings, read by ProcessGroupNCCL's constructor, so set only around ours:
-TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly: a failed op aborts the communicator and the
-process lives; 1 TearDown and 3 SkipCleanUp, the default, end the process),
-TORCH_NCCL_ENABLE_MONITORING=0 (no heartbeat monitor that kills it), TORCH_NCCL_DUMP_ON_TIMEOUT=0
-and TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0 (no wait for a debug dump before the abort: it held a
-timed-out receive over 30 s). NCCL_NVLS_ENABLE=0 where unset (point-to-point needs no multicast).
+The pair's group, the NCCL settings it is built with, and the staging, gather, send and
+scatter of the messages are in :mod:`tandem.disagg.nccl_transport`.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ import os
 import socket
 import threading
 import time
-from collections import deque
 from datetime import timedelta
 
 import msgpack
@@ -43,83 +38,24 @@ import torch
 import torch.distributed as dist
 
 from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout, gpu_id
+from tandem.disagg.nccl_transport import (
+    SenderPair,
+    destroy_group,
+    first_line,
+    layers_per_message,
+    pair_group,
+    receive_layers,
+    seconds_left,
+    send_layers,
+    store_client,
+)
 from tandem.models.tensor_parallel import keep_nvlink_multicast_off
 
 logger = logging.getLogger("tandem.disagg")
 
-_WINDOW = 2  # messages in flight per transfer: gather/scatter overlap the wire
 _GRACE_S = 0.25  # for the worker to report its own (more precise) error at the deadline
 _CLOSE_S = 2.0  # close() waits this long at most for the threads
 _IDLE = timedelta(hours=12)  # a blocking pop on our own store: loops on timeout
-_NCCL_ENV = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-    "TORCH_NCCL_ENABLE_MONITORING": "0",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
-}
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """Set environment variables for the duration of the block, then restore them."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _client(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
-
-
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-
-
-def _seconds_left(deadline: float) -> timedelta:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the transfer deadline passed")
-    return timedelta(seconds=left)
-
-
-def _wait(work, deadline: float) -> None:
-    if not work.wait(_seconds_left(deadline)):
-        raise TimeoutError("a send or receive did not complete in time")
-
-
-def _destroy(group) -> None:
-    """Abort a pair's group (best effort: sockets close, NCCL communicators are aborted)."""
-    with contextlib.suppress(Exception):
-        if group is not None and hasattr(group, "abort"):
-            group.abort()
-
-
-class _Pair:
-    """The sender's side of one pair: its store client, index and process group."""
-
-    def __init__(self, host: str, port: int):
-        self.host, self.port = host, port
-        self.name = f"decode peer {host}:{port}"
-        self.lock = threading.Lock()  # one transfer at a time per pair
-        self.store = self.group = self.stream = None
-        self.index = 0
-        self.broken = False
-
-    def close(self) -> None:
-        """Tell the receiver's thread to stop (an empty request) and abort the group."""
-        self.broken = True
-        if self.store is not None:
-            with contextlib.suppress(Exception):
-                self.store.queue_push(f"req{self.index}", b"")
-        _destroy(self.group)
-        self.store = self.group = None
 
 
 class NcclKVConnector(KVConnector):
@@ -145,8 +81,9 @@ class NcclKVConnector(KVConnector):
             raise ValueError(f"message_bytes: expected a positive number, got {message_bytes!r}")
         # A write sends runs of consecutive layers, one message of at most message_bytes per
         # run (at least one layer): each wait for a message polls, so few messages mean few
-        # round trips; staging stays under (_WINDOW + 1) * message_bytes per side. The sender
-        # picks the run length and announces it with the request.
+        # round trips; staging stays under (_WINDOW + 1) * message_bytes per side (the
+        # window of nccl_transport). The sender picks the run length and announces it with
+        # the request.
         self.message_bytes = message_bytes
         if not dist.is_available():
             raise ImportError("the nccl KV connector needs a torch build with torch.distributed")
@@ -156,7 +93,7 @@ class NcclKVConnector(KVConnector):
         self._server: dist.TCPStore | None = None
         self._lock = threading.Lock()  # guards _pairs and _receivers
         self._env_lock = threading.Lock()  # the NCCL environment is process-wide
-        self._pairs: dict[tuple[str, int], _Pair] = {}
+        self._pairs: dict[tuple[str, int], SenderPair] = {}
         self._receivers: dict[int, threading.Thread] = {}
         self._threads: list[threading.Thread] = []  # the watcher, send workers
         self._closed = threading.Event()
@@ -207,23 +144,8 @@ class NcclKVConnector(KVConnector):
 
     def _group(self, store, index: int, rank: int):
         """The 2-rank group of pair ``index`` (gloo construction waits for the other rank)."""
-        prefixed = dist.PrefixStore(f"pair{index}/", store)
-        timeout = timedelta(seconds=self.timeout_s)
-        if not self.caches[0].is_cuda:
-            return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-        options._timeout = timeout  # the watchdog aborts an op this old (Work.wait may not)
-        with self._env_lock, _environment(_NCCL_ENV):
-            return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-
-    def _on_stream(self, stream) -> contextlib.AbstractContextManager:
-        if stream is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(stream.device))
-        stack.enter_context(torch.cuda.stream(stream))
-        return stack
+        cuda = self.caches[0].is_cuda
+        return pair_group(store, index, rank, self.timeout_s, cuda, self._env_lock)
 
     def _new_stream(self):
         return torch.cuda.Stream(self.caches[0].device) if self.caches[0].is_cuda else None
@@ -256,14 +178,14 @@ class NcclKVConnector(KVConnector):
         outcome: dict = {}
         done = threading.Event()
         with self._lock:
-            pair = self._pairs.setdefault((host, port), _Pair(host, port))
+            pair = self._pairs.setdefault((host, port), SenderPair(host, port))
 
         def work() -> None:
             try:
                 self._transfer(pair, runs, deadline)
             except Exception as error:  # noqa: BLE001 (reported to the caller)
                 outcome["error"] = KVTransferError(
-                    f"KV write to {pair.name} failed: {_first_line(error)}"
+                    f"KV write to {pair.name} failed: {first_line(error)}"
                 )
                 done.set()  # the caller hears of it before the pair's (slower) cleanup
                 self._forget(pair)
@@ -284,14 +206,14 @@ class NcclKVConnector(KVConnector):
         if "error" in outcome:
             raise outcome["error"]
 
-    def _forget(self, pair: _Pair) -> None:
+    def _forget(self, pair: SenderPair) -> None:
         pair.broken = True
         with self._lock:
             if self._pairs.get((pair.host, pair.port)) is pair:
                 del self._pairs[(pair.host, pair.port)]
 
-    def _transfer(self, pair: _Pair, runs, deadline: float) -> None:
-        if not pair.lock.acquire(timeout=_seconds_left(deadline).total_seconds()):
+    def _transfer(self, pair: SenderPair, runs, deadline: float) -> None:
+        if not pair.lock.acquire(timeout=seconds_left(deadline).total_seconds()):
             raise TimeoutError("an earlier write to this peer did not end")
         try:
             if pair.broken:
@@ -299,23 +221,23 @@ class NcclKVConnector(KVConnector):
             if pair.group is None:  # join: take a pair index, announce it, build the group
                 # A dead receiver refuses at once; TCPStore would retry past the deadline.
                 socket.create_connection(
-                    (pair.host, pair.port), _seconds_left(deadline).total_seconds()
+                    (pair.host, pair.port), seconds_left(deadline).total_seconds()
                 ).close()
-                pair.store = _client(pair.host, pair.port, _seconds_left(deadline))
+                pair.store = store_client(pair.host, pair.port, seconds_left(deadline))
                 pair.index = pair.store.add("pairs", 1)
                 pair.store.queue_push("joins", str(pair.index))
                 pair.group = self._group(pair.store, pair.index, rank=0)
                 pair.stream = self._new_stream()
             store, index = pair.store, pair.index
             num_blocks = sum(n for _, _, n in runs)
-            per_message = self._layers_per_message(num_blocks)
+            per_message = layers_per_message(self.caches, num_blocks, self.message_bytes)
             store.queue_push(
                 f"req{index}",
                 msgpack.packb(
                     {"runs": [[dst, n] for _, dst, n in runs], "layers_per_message": per_message}
                 ),
             )
-            store.set_timeout(_seconds_left(deadline))
+            store.set_timeout(seconds_left(deadline))
             ready = store.queue_pop(f"ready{index}")
             if ready != b"ok":
                 raise KVTransferError(f"the receiver refused the transfer: {ready.decode()}")
@@ -325,52 +247,18 @@ class NcclKVConnector(KVConnector):
                 per_message,
                 deadline,
             )
-            store.set_timeout(_seconds_left(deadline))
+            store.set_timeout(seconds_left(deadline))
             ack = store.queue_pop(f"ack{index}")
             if ack != b"ok":
                 raise KVTransferError(f"the receiver failed: {ack.decode()}")
         finally:
             pair.lock.release()
 
-    def _layers_per_message(self, num_blocks: int) -> int:
-        """As many layers of ``num_blocks`` blocks as fit in ``message_bytes``, at least one."""
-        first = self.caches[0]
-        layer_bytes = 2 * num_blocks * first[0, 0].numel() * first.element_size()
-        return max(1, self.message_bytes // layer_bytes)
-
-    def _layer_runs(self, per_message: int) -> list[range]:
-        """The runs of consecutive layers sent as one message each."""
-        return [
-            range(start, min(start + per_message, len(self.caches)))
-            for start in range(0, len(self.caches), per_message)
-        ]
-
-    def _staging(self, layers: range, num_blocks: int) -> torch.Tensor:
-        """An empty message: ``(layers, 2, num_blocks, block_size, heads, head_dim)``."""
-        first = self.caches[0]
-        return torch.empty(
-            (len(layers), 2, num_blocks, *first.shape[2:]), dtype=first.dtype, device=first.device
-        )
-
-    def _gather(self, layers: range, index: torch.Tensor) -> torch.Tensor:
-        """The blocks ``index`` of ``layers``, as one message."""
-        staging = self._staging(layers, len(index))
-        for row, layer in enumerate(layers):
-            torch.index_select(self.caches[layer], 1, index, out=staging[row])
-        return staging
-
-    def _send_layers(self, pair: _Pair, src: list[int], per_message: int, deadline: float) -> None:
-        """Gather and send every layer's ``src`` blocks, ``_WINDOW`` messages in flight."""
-        in_flight: deque = deque()
-        with self._on_stream(pair.stream):
-            src_index = torch.tensor(src, device=self.caches[0].device)
-            for layers in self._layer_runs(per_message):
-                staging = self._gather(layers, src_index)
-                in_flight.append((pair.group.send([staging], 1, layers.start), staging))
-                if len(in_flight) > _WINDOW:
-                    _wait(in_flight.popleft()[0], deadline)
-            while in_flight:
-                _wait(in_flight.popleft()[0], deadline)
+    def _send_layers(
+        self, pair: SenderPair, src: list[int], per_message: int, deadline: float
+    ) -> None:
+        """Gather and send every layer's ``src`` blocks, a window of messages in flight."""
+        send_layers(pair.group, pair.stream, self.caches, src, per_message, deadline)
 
     # ---- receiving side ------------------------------------------------------------------
 
@@ -386,7 +274,7 @@ class NcclKVConnector(KVConnector):
     def _watch(self) -> None:
         """Start a receiving thread for every pair that joins."""
         try:
-            store = _client(self.host, self._server.port, _IDLE)
+            store = store_client(self.host, self._server.port, _IDLE)
             while (joined := self._pop(store, "joins")) and not self._closed.is_set():
                 index = int(joined)
                 thread = threading.Thread(
@@ -397,16 +285,16 @@ class NcclKVConnector(KVConnector):
                 thread.start()
         except Exception as error:  # noqa: BLE001 (the store went away: closing)
             if not self._closed.is_set():
-                logger.error("KV connector: the pair watcher stopped: %s", _first_line(error))
+                logger.error("KV connector: the pair watcher stopped: %s", first_line(error))
 
     def _receive(self, index: int) -> None:
         """Serve the transfers of pair ``index`` until its sender leaves, fails or we close."""
         group = None
         try:
             port = self._server.port
-            control = _client(self.host, port, _IDLE)
+            control = store_client(self.host, port, _IDLE)
             group = self._group(
-                _client(self.host, port, timedelta(seconds=self.timeout_s)), index, rank=1
+                store_client(self.host, port, timedelta(seconds=self.timeout_s)), index, rank=1
             )
             stream = self._new_stream()
             while (request := self._pop(control, f"req{index}")) and not self._closed.is_set():
@@ -423,41 +311,18 @@ class NcclKVConnector(KVConnector):
                     continue
                 control.queue_push(f"ready{index}", b"ok")
                 try:
-                    self._receive_layers(group, stream, dst, per_message, deadline)
+                    receive_layers(group, stream, self.caches, dst, per_message, deadline)
                 except Exception as error:  # reported to the sender, then the pair is dropped
-                    control.queue_push(f"ack{index}", _first_line(error).encode())
+                    control.queue_push(f"ack{index}", first_line(error).encode())
                     raise
                 control.queue_push(f"ack{index}", b"ok")
         except Exception as error:  # noqa: BLE001 (a dead or failed sender ends only its pair)
             if not self._closed.is_set():
-                logger.warning("KV connector: dropped pair %d: %s", index, _first_line(error))
+                logger.warning("KV connector: dropped pair %d: %s", index, first_line(error))
         finally:
-            _destroy(group)
+            destroy_group(group)
             with self._lock:
                 self._receivers.pop(index, None)
-
-    def _receive_layers(
-        self, group, stream, dst: list[int], per_message: int, deadline: float
-    ) -> None:
-        """Receive every layer's blocks, message by message, and scatter them into ``dst``."""
-        in_flight: deque = deque()
-
-        def scatter(layers: range, work, staging: torch.Tensor) -> None:
-            _wait(work, deadline)
-            for row, layer in enumerate(layers):
-                self.caches[layer].index_copy_(1, dst_index, staging[row])
-
-        with self._on_stream(stream):
-            dst_index = torch.tensor(dst, device=self.caches[0].device)
-            for layers in self._layer_runs(per_message):
-                staging = self._staging(layers, len(dst))
-                in_flight.append((layers, group.recv([staging], 0, layers.start), staging))
-                if len(in_flight) > _WINDOW:
-                    scatter(*in_flight.popleft())
-            while in_flight:
-                scatter(*in_flight.popleft())
-        if stream is not None:
-            stream.synchronize()
 
     def close(self) -> None:
         """Stop the threads, abort the pairs' groups and close the store; safe to call twice.

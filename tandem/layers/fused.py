@@ -1,6 +1,6 @@
-"""Fused elementwise kernels for the decoder: RMSNorm (with the residual add), rotary
-embedding (alone, or with the store of the new keys and values into the paged cache), and
-SiLU-and-multiply.
+"""Fused elementwise kernels for the decoder: RMSNorm (with the residual add) and
+SiLU-and-multiply, and the rule for when a fused op takes its kernel (:func:`kernels_apply`,
+shared with the rotary kernels in :mod:`tandem.layers.fused_rotary`).
 
 Each op is one Triton launch on CUDA in place of the 2 to 12 small kernels its PyTorch form
 issues; at small batch a decode step is a long chain of such kernels, so their count sets
@@ -16,8 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.layers.attention import store_kv
-
 try:
     import triton
     import triton.language as tl
@@ -26,7 +24,7 @@ except ImportError:  # tandem runs without triton: every op takes its PyTorch fo
     tl = None
 
 
-def _kernels_apply(*tensors: torch.Tensor) -> bool:
+def kernels_apply(*tensors: torch.Tensor) -> bool:
     """The Triton form applies: CUDA tensors and no gradient to record."""
     if triton is None or not all(t.is_cuda for t in tensors):
         return False
@@ -55,7 +53,7 @@ def rms_norm(
 ):
     """``rms_norm_reference`` in one kernel where it applies (see the module docstring)."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    if not (_kernels_apply(*tensors) if use_triton is None else use_triton) or (
+    if not (kernels_apply(*tensors) if use_triton is None else use_triton) or (
         residual is not None and residual.dtype != x.dtype
     ):
         return rms_norm_reference(x, weight, eps, residual)
@@ -91,130 +89,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-# ---- rotary embedding ----------------------------------------------------------------------
-
-
-def rotary_reference(x, positions, cos, sin):
-    """Rotate x [T, H, D] (rotate-half layout) by the angles of ``positions`` [T], in fp32;
-    ``cos``/``sin`` are [max_position, D / 2] tables."""
-    cos = cos[positions].unsqueeze(1)
-    sin = sin[positions].unsqueeze(1)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.empty_like(x)
-    out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:] = x2 * cos + x1 * sin
-    return out
-
-
-def rotary(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """``rotary_reference`` in one kernel where it applies."""
-    if not (_kernels_apply(x, cos) if use_triton is None else use_triton):
-        return rotary_reference(x, positions, cos, sin)
-    num_tokens, num_heads, head_dim = x.shape
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or cos.stride() != sin.stride():
-        raise ValueError("rotary needs x, cos and sin contiguous in their last dimension")
-    out = torch.empty_like(x)
-    if num_tokens:
-        half = head_dim // 2
-        _rotary_kernel[(num_tokens, num_heads)](
-            x,
-            out,
-            positions,
-            cos,
-            sin,
-            x.stride(0),
-            x.stride(1),
-            out.stride(0),
-            out.stride(1),
-            cos.stride(0),
-            HALF=half,
-            BLOCK=triton.next_power_of_2(half),
-        )
-    return out
-
-
-def rotary_store_kv_reference(
-    qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads
-):
-    """Rotate ``qk`` [T, H_q + H_kv, D] (``rotary_reference``), write the rotated keys and
-    ``v`` [T, H_kv, D] into flat slots ``slot_mapping`` of the caches [..., H_kv, D], and
-    return the rotated queries [T, H_q, D]."""
-    q, k = rotary_reference(qk, positions, cos, sin).split(
-        [num_q_heads, qk.shape[1] - num_q_heads], dim=1
-    )
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
-    return q
-
-
-def rotary_store_kv(
-    qk: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_q_heads: int,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """``rotary_store_kv_reference`` in one kernel where it applies: one program per token
-    and head; a key head's program also copies that head's value."""
-    if not (_kernels_apply(qk, v, cos) if use_triton is None else use_triton):
-        return rotary_store_kv_reference(
-            qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads
-        )
-    num_tokens, num_heads, head_dim = qk.shape
-    num_kv_heads = num_heads - num_q_heads
-    if (
-        qk.stride(-1) != 1
-        or v.stride(-1) != 1
-        or cos.stride(-1) != 1
-        or cos.stride() != sin.stride()
-        or not k_cache.is_contiguous()
-        or not v_cache.is_contiguous()
-        or k_cache.shape[-2:] != (num_kv_heads, head_dim)
-    ):
-        raise ValueError(
-            "rotary_store_kv needs x, v, cos and sin contiguous in their last "
-            "dimension and caches [..., H_kv, D] contiguous"
-        )
-    q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qk.dtype, device=qk.device)
-    if num_tokens:
-        half = head_dim // 2
-        _rotary_store_kv_kernel[(num_tokens, num_heads)](
-            qk,
-            v,
-            q,
-            k_cache,
-            v_cache,
-            positions,
-            slot_mapping,
-            cos,
-            sin,
-            qk.stride(0),
-            qk.stride(1),
-            v.stride(0),
-            v.stride(1),
-            q.stride(0),
-            q.stride(1),
-            cos.stride(0),
-            num_q_heads,
-            NUM_KV_HEADS=num_kv_heads,
-            HEAD_DIM=head_dim,
-            HALF=half,
-            BLOCK=triton.next_power_of_2(half),
-        )
-    return q
-
-
 # ---- SiLU and multiply ---------------------------------------------------------------------
 
 
@@ -226,7 +100,7 @@ def silu_mul_reference(gate, up):
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool | None = None):
     """``silu_mul_reference`` in one kernel where it applies. ``gate`` and ``up`` may be views
     with row strides (the two halves of one fused gate-up projection): no copy is made."""
-    if not (_kernels_apply(gate, up) if use_triton is None else use_triton):
+    if not (kernels_apply(gate, up) if use_triton is None else use_triton):
         return silu_mul_reference(gate, up)
     n_cols = gate.shape[-1]
     gate2, up2 = (
@@ -275,126 +149,6 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         out = normed.to(tl.float32) * w.to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _rotate(
-        x_ptr,
-        pos_ptr,
-        cos_ptr,
-        sin_ptr,
-        token,
-        head,
-        stride_xt,
-        stride_xh,
-        stride_c,
-        HALF: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        """Both halves of one head of one token, rotated, rounded to x's dtype (as the
-        reference rounds), with the lane offsets and mask."""
-        d = tl.arange(0, BLOCK)
-        mask = d < HALF
-        position = tl.load(pos_ptr + token).to(tl.int64)
-        cos = tl.load(cos_ptr + position * stride_c + d, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + position * stride_c + d, mask=mask, other=0.0).to(tl.float32)
-        base = x_ptr + token * stride_xt + head * stride_xh
-        x1 = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        out1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
-        out2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
-        return out1, out2, d, mask
-
-    @triton.jit
-    def _rotary_kernel(
-        x_ptr,
-        out_ptr,
-        pos_ptr,
-        cos_ptr,
-        sin_ptr,
-        stride_xt,
-        stride_xh,
-        stride_ot,
-        stride_oh,
-        stride_c,
-        HALF: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        out1, out2, d, mask = _rotate(
-            x_ptr,
-            pos_ptr,
-            cos_ptr,
-            sin_ptr,
-            token,
-            head,
-            stride_xt,
-            stride_xh,
-            stride_c,
-            HALF,
-            BLOCK,
-        )
-        out = out_ptr + token * stride_ot + head * stride_oh
-        tl.store(out + d, out1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + HALF + d, out2.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _rotary_store_kv_kernel(
-        x_ptr,
-        v_ptr,
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        pos_ptr,
-        slot_ptr,
-        cos_ptr,
-        sin_ptr,
-        stride_xt,
-        stride_xh,
-        stride_vt,
-        stride_vh,
-        stride_qt,
-        stride_qh,
-        stride_c,
-        num_q_heads,
-        NUM_KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        HALF: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        out1, out2, d, mask = _rotate(
-            x_ptr,
-            pos_ptr,
-            cos_ptr,
-            sin_ptr,
-            token,
-            head,
-            stride_xt,
-            stride_xh,
-            stride_c,
-            HALF,
-            BLOCK,
-        )
-        if head < num_q_heads:
-            out = q_ptr + token * stride_qt + head * stride_qh
-            tl.store(out + d, out1, mask=mask)
-            tl.store(out + HALF + d, out2, mask=mask)
-        else:
-            kv_head = head - num_q_heads
-            slot = tl.load(slot_ptr + token).to(tl.int64)
-            dst = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_cache_ptr + dst + d, out1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_cache_ptr + dst + HALF + d, out2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            src = v_ptr + token * stride_vt + kv_head * stride_vh
-            for start in tl.static_range(0, HEAD_DIM, BLOCK):
-                cols = start + d
-                keep = cols < HEAD_DIM
-                value = tl.load(src + cols, mask=keep, other=0.0)
-                tl.store(
-                    v_cache_ptr + dst + cols, value.to(v_cache_ptr.dtype.element_ty), mask=keep
-                )
 
     @triton.jit
     def _silu_mul_kernel(

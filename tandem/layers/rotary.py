@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from tandem.layers.fused import rotary, rotary_store_kv
+from tandem.layers.fused_rotary import rotary, rotary_store_kv
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

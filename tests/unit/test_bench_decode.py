@@ -11,14 +11,8 @@ import torch.profiler
 from torch.autograd import DeviceType
 
 from tandem.bench import decode
-from tandem.bench.decode import (
-    busy_fraction,
-    device_intervals,
-    kernel_totals,
-    mode_name,
-    parse_modes,
-    run_decode_bench,
-)
+from tandem.bench.decode import mode_name, parse_modes, run_decode_bench
+from tandem.bench.device_profile import busy_fraction, device_intervals, kernel_totals
 from tandem.cli import build_parser
 from tandem.tokenizer import Tokenizer
 

@@ -21,15 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.bench import serving
 from tandem.bench.datasets import BenchRequest
-from tandem.bench.serving import (
-    RequestRecord,
-    ServeConfig,
-    arrival_offsets,
-    compute_metrics,
-    latency_stats,
-    run_benchmark,
-    tpot,
-)
+from tandem.bench.serving import ServeConfig, arrival_offsets, run_benchmark
+from tandem.bench.serving_report import RequestRecord, compute_metrics, latency_stats, tpot
 
 CHUNK_SLEEP = 0.01
 

@@ -16,6 +16,7 @@ import torch
 
 from tandem.disagg.kv_connector import KVTransferError
 from tandem.disagg.nccl_connector import NcclKVConnector
+from tandem.disagg.nccl_transport import gather, layer_runs
 from tandem.disagg.setup import make_kv_connector
 
 NUM_LAYERS = 3
@@ -104,7 +105,8 @@ class _DiesMidTransfer(NcclKVConnector):
     def _send_layers(self, pair, src, per_message, deadline):
         cache = self.caches[0]
         index = torch.tensor(src, device=cache.device)
-        pair.group.send([self._gather(self._layer_runs(per_message)[0], index)], 1, 0).wait()
+        first = gather(self.caches, layer_runs(len(self.caches), per_message)[0], index)
+        pair.group.send([first], 1, 0).wait()
         if cache.is_cuda:  # the layer is through (NCCL's communicator is up on both sides)
             torch.cuda.synchronize(cache.device)
         os._exit(DIED_EXITCODE)

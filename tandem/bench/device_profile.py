@@ -1,0 +1,154 @@
+"""Where the device time of a profiled run went: the CUDA kernels, memcpys and memsets a
+``torch.profiler`` run recorded, the share of a window their union covers (the GPU's busy
+fraction), and the device operations ranked by total time. :func:`profile_generate` runs
+``llm.generate`` once under the profiler and reports all three (``bench decode``,
+``latency`` and ``throughput`` use it; ``bench.steps`` profiles windows of steps with the
+same reading).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tandem.bench.timing import sync_device
+
+# Kineto activity types that sit on a GPU lane but are not work done by the GPU.
+_NOT_DEVICE_WORK = frozenset({"gpu_user_annotation", "user_annotation", "cuda_sync", "overhead"})
+_PROFILER_META_NAMES = frozenset({"[memory]", "[OutOfMemory]"})
+
+
+def busy_fraction(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """The fraction of ``window`` covered by the union of the ``[start, end)`` intervals.
+
+    Intervals may overlap, come in any order, or reach outside the window (they are clipped
+    to it); empty or reversed intervals count for nothing. A window of zero length gives 0.
+    """
+    lo, hi = window
+    if hi <= lo:
+        return 0.0
+    clipped = sorted((max(s, lo), min(e, hi)) for s, e in intervals if min(e, hi) > max(s, lo))
+    covered = 0.0
+    cur_start = cur_end = None
+    for start, end in clipped:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                covered += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        covered += cur_end - cur_start
+    return covered / (hi - lo)
+
+
+def _method(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj.name()`` if ``obj`` has that method, else ``default``."""
+    fn = getattr(obj, name, None)
+    return fn() if callable(fn) else default
+
+
+def _is_device_work(device_type: Any, activity: Any, name: str, annotation: bool) -> bool:
+    """Whether a profiler event is a kernel, memcpy or memset on a CUDA device."""
+    from torch.autograd import DeviceType
+
+    if device_type != DeviceType.CUDA or annotation or name in _PROFILER_META_NAMES:
+        return False
+    return not (isinstance(activity, str) and activity in _NOT_DEVICE_WORK)
+
+
+def _device_events(prof: Any) -> list[tuple[str, str, float, float]]:
+    """``(name, activity type, start_us, end_us)`` of every CUDA kernel, memcpy and memset a
+    finished ``torch.profiler.profile`` recorded, times relative to the first event.
+
+    Reads the raw Kineto events (``prof.profiler.kineto_results.events()``: integer
+    nanoseconds, no event tree to build); falls back to ``prof.events()`` (FunctionEvents,
+    ``time_range`` in microseconds) where the raw results are missing.
+    """
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is not None:
+        spans: list[tuple[str, str, int, int]] = []
+        for evt in raw.events():
+            activity = _method(evt, "activity_type", "")
+            annotation = bool(_method(evt, "is_user_annotation", False))
+            if _method(evt, "is_hidden_event", False):
+                continue
+            if not _is_device_work(evt.device_type(), activity, evt.name(), annotation):
+                continue
+            start, end = evt.start_ns(), evt.end_ns()
+            if end > start:
+                spans.append((evt.name(), str(activity), start, end))
+        # Subtract a base before going to float: absolute nanoseconds overflow its mantissa.
+        base = min((s for _, _, s, _ in spans), default=0)
+        return [(n, a, (s - base) / 1000, (e - base) / 1000) for n, a, s, e in spans]
+    events = []
+    for evt in prof.events():
+        activity = getattr(evt, "activity_type", "")
+        annotation = bool(getattr(evt, "is_user_annotation", False))
+        if not _is_device_work(evt.device_type, activity, evt.name, annotation):
+            continue
+        start, end = evt.time_range.start, evt.time_range.end
+        if end > start:
+            events.append((evt.name, str(activity), start, end))
+    return events
+
+
+def device_intervals(prof: Any) -> tuple[list[tuple[float, float]], dict[str, int]]:
+    """Intervals (microseconds) of the CUDA kernels, memcpys and memsets a finished
+    ``torch.profiler.profile`` recorded, and the count of each activity type kept."""
+    counts: dict[str, int] = {}
+    intervals = []
+    for _, activity, start, end in _device_events(prof):
+        intervals.append((start, end))
+        counts[activity] = counts.get(activity, 0) + 1
+    return intervals, counts
+
+
+def kernel_totals(prof: Any, top: int = 30) -> list[dict]:
+    """The ``top`` device operations by total time: name, count and microseconds."""
+    totals: dict[str, list] = {}
+    for name, _, start, end in _device_events(prof):
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += end - start
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return [
+        {"name": name[:160], "count": count, "total_us": round(us, 1)}
+        for name, (count, us) in ranked
+    ]
+
+
+def profile_generate(
+    llm: Any, prompts: list[dict], params: Any, device: str, top: int = 30
+) -> dict:
+    """``llm.generate`` once under the CUDA profiler. Always: ``wall_s``, ``device_ops``
+    (kernels, memcpys, memsets) and ``activity_counts``; when device ops were recorded, their
+    window ``window_us``, ``busy_fraction`` and ``busy_us`` of it and the ``top`` ops by total
+    time; otherwise a ``note`` saying why not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync_device(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync_device(device)
+        wall = time.perf_counter() - start
+    try:
+        intervals, counts = device_intervals(prof)
+    except (AttributeError, RuntimeError, TypeError) as e:
+        intervals, counts = [], {}
+        note = f"could not read the profiler's events: {type(e).__name__}: {e}"
+    else:
+        note = "the profiler recorded no CUDA kernel, memcpy or memset events"
+    result: dict = {"wall_s": wall, "device_ops": len(intervals), "activity_counts": counts}
+    if not intervals:
+        return {**result, "note": note}
+    window = (min(s for s, _ in intervals), max(e for _, e in intervals))
+    busy = busy_fraction(intervals, window)
+    return {
+        **result,
+        "window_us": window[1] - window[0],
+        "busy_fraction": busy,
+        "busy_us": busy * (window[1] - window[0]),
+        "top": kernel_totals(prof, top) if top else [],
+    }
