@@ -45,7 +45,7 @@ def anchors(path: str) -> set[str]:
 
 def broken_links(path: str) -> list[str]:
     problems = []
-    for number, line in enumerate(prose_lines(path), 1):
+    for line in prose_lines(path):
         for match in LINK.finditer(re.sub(r"`[^`]*`", "``", line)):
             target = match.group(1) or match.group(2)
             if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
