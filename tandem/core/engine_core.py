@@ -259,7 +259,7 @@ class EngineCore:
         if self._in_flight is None:
             # No step holds the requests that just ended: the worker forgets them now
             # rather than at the next step, which may never come.
-            self.pipeline.batch.drop(self.scheduler.take_finished_ids())
+            self.pipeline.drop_requests(self.scheduler.take_finished_ids())
         return updates
 
     def _clocks(self) -> tuple[float, float, float, float]:

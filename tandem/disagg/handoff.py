@@ -70,4 +70,7 @@ def insert_handoff(
             state.draft_probs = to_device(
                 torch.from_numpy(probs.copy()).view(*shape), torch.float32, device
             )
-    pipeline.batch.states[request_id] = state
+    pipeline.batch.add_state(request_id, state)
+    mtp = pipeline.mtp
+    if mtp is not None and state.num_drafts == mtp.slots.num_drafts:
+        mtp.fill_slots([state])

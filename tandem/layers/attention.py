@@ -60,8 +60,12 @@ class AttentionBackend(ABC):
         slot_mapping: torch.Tensor,
         block_size: int,
         device: torch.device,
+        seq_lens_device: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """Prepare per-step metadata once; every layer reuses it."""
+        """Prepare per-step metadata once; every layer reuses it. ``seq_lens_device``: the
+        true sequence lengths as a device tensor, for rows whose length only the device
+        knows (a step launched before the one in front of it was read); ``seq_lens`` then
+        holds upper bounds, used only to size the step's tensors."""
 
     def forward(
         self,
@@ -122,7 +126,16 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference backend: per group of similar lengths, gather the paged KV and run one
     masked SDPA."""
 
-    def build_metadata(self, query_lens, seq_lens, block_tables, slot_mapping, block_size, device):
+    def build_metadata(
+        self,
+        query_lens,
+        seq_lens,
+        block_tables,
+        slot_mapping,
+        block_size,
+        device,
+        seq_lens_device=None,
+    ):
         query_start = query_start_locations(query_lens)
         groups = group_by_length(query_lens, seq_lens)
         padded = [
@@ -135,6 +148,7 @@ class TorchAttentionBackend(AttentionBackend):
                 block_size,
                 device,
                 whole_batch=len(groups) == 1 and members == sorted(members),
+                seq_lens_device=seq_lens_device,
             )
             for members in groups
         ]
@@ -150,6 +164,7 @@ class TorchAttentionBackend(AttentionBackend):
         block_size,
         device,
         whole_batch: bool,
+        seq_lens_device: torch.Tensor | None = None,
     ) -> PaddedGroup:
         # Built from host ints and copied without a wait (see tandem.device_copy).
         q_lens = [query_lens[i] for i in members]
@@ -171,12 +186,18 @@ class TorchAttentionBackend(AttentionBackend):
             )
         # Query row j of a request sits at position seq_len - query_len + j and sees keys
         # up to and including that position.
-        starts = torch.tensor([s - q for s, q in zip(s_lens, q_lens, strict=True)])
-        query_pos = starts[:, None] + torch.arange(max_query_len)[None, :]
-        key_pos = torch.arange(max_blocks * block_size)
+        if seq_lens_device is None:
+            starts = torch.tensor([s - q for s, q in zip(s_lens, q_lens, strict=True)])
+        else:  # lengths the host does not know: the mask is built on the device
+            members_index = to_device(members, torch.long, device)
+            q_tensor = to_device(q_lens, torch.long, device)
+            starts = seq_lens_device.long().index_select(0, members_index) - q_tensor
+        query_pos = starts[:, None] + torch.arange(max_query_len, device=starts.device)[None, :]
+        key_pos = torch.arange(max_blocks * block_size, device=starts.device)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
         # Padding rows attend to key 0 only, so they stay finite; their output is dropped.
-        mask[..., 0] |= torch.arange(max_query_len)[None, :] >= torch.tensor(q_lens)[:, None]
+        padding = torch.arange(max_query_len)[None, :] >= torch.tensor(q_lens)[:, None]
+        mask[..., 0] |= padding.to(mask.device)
         return PaddedGroup(
             token_rows=token_rows,
             block_tables=to_device(table, torch.long, device),

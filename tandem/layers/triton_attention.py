@@ -242,18 +242,28 @@ class TritonAttentionBackend(AttentionBackend):
     and in :mod:`tandem.layers.triton_attention_kernels`)."""
 
     def build_metadata(
-        self, query_lens, seq_lens, block_tables, slot_mapping, block_size, device
+        self,
+        query_lens,
+        seq_lens,
+        block_tables,
+        slot_mapping,
+        block_size,
+        device,
+        seq_lens_device=None,
     ) -> TritonAttentionMetadata:
-        """Host lists to device tensors, copied once per step without a wait."""
+        """Host lists to device tensors, copied once per step without a wait
+        (``seq_lens_device``: see ``AttentionBackend.build_metadata``)."""
         query_start = query_start_locations(query_lens)
         table = block_table_array(block_tables, -(-max(seq_lens) // block_size))
+        if seq_lens_device is None:
+            seq_lens_device = to_device(seq_lens, torch.int32, device)
         return TritonAttentionMetadata(
             slot_mapping=slot_mapping,
             max_query_len=max(query_lens),
             min_query_len=min(query_lens),
             block_tables=to_device(table, torch.int32, device),
             query_start_loc_device=to_device(query_start, torch.int32, device),
-            seq_lens_device=to_device(seq_lens, torch.int32, device),
+            seq_lens_device=seq_lens_device.to(torch.int32),
         )
 
     attends_cache = True

@@ -190,3 +190,33 @@ class CudaGraphRunner:
         graph.graph.replay()
         self.num_replays += 1
         return graph.hidden[:num_tokens], self.input_ids[:num_tokens]
+
+    def run_device(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_len: int,
+    ) -> torch.Tensor:
+        """:meth:`run` for a uniform step whose inputs are device tensors (rows resolved on
+        the device, for a step launched before the one in front of it was read):
+        device-to-device copies into the static buffers, padding rows from the host, then
+        the replay. Returns the real rows' hidden states (a view of a static buffer)."""
+        rows, width = block_tables.shape
+        size = self.padded_size([query_len] * rows)
+        if size is None:
+            raise ValueError(f"{rows} rows of {query_len} tokens have no graph")
+        if size > rows:
+            self._fill(GraphBatch([], [], [], [], [], query_len), size)  # all rows padding
+        num_tokens = rows * query_len
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slots[:num_tokens].copy_(slots)
+        self.seq_lens[:rows].copy_(seq_lens)
+        self.block_tables[:rows, :width].copy_(block_tables)
+        graph = self.graphs[(size, query_len)]
+        graph.graph.replay()
+        self.num_replays += 1
+        return graph.hidden[:num_tokens]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.step import ScheduledRequest, SchedulerOutput
+from tandem.worker.request_slots import RequestSlots
 
 
 @dataclass
@@ -30,6 +31,11 @@ class RequestState:
     # PLACEHOLDER in token_ids until the step is read, and lives on the device meanwhile
     # as pending_token = (candidates tensor of that step, index).
     pending_token: tuple[torch.Tensor, int] | None = None
+    # With an MTP head: the request's device slot (RequestSlots), and whether it holds the
+    # request's next start, last token and a full k drafts (a step can then be resolved
+    # on the device).
+    slot: int = -1
+    slot_ready: bool = False
 
     @property
     def num_drafts(self) -> int:
@@ -87,10 +93,27 @@ class StepInputs:
 class InputBatch:
     """The per-request states of one worker and the step inputs built from them."""
 
-    def __init__(self, device: torch.device, block_size: int):
+    def __init__(
+        self,
+        device: torch.device,
+        block_size: int,
+        max_model_len: int,
+        slots: RequestSlots | None = None,
+    ):
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.states: dict[str, RequestState] = {}
+        self.slots = slots
+        # Slots of dropped requests, freed once no launched step can touch them.
+        self.released_slots: list[int] = []
+
+    def add_state(self, request_id: str, state: RequestState) -> RequestState:
+        """Keep ``state`` for ``request_id`` (with a device slot when there are slots)."""
+        if self.slots is not None and state.slot < 0:
+            state.slot = self.slots.assign()
+        self.states[request_id] = state
+        return state
 
     def state_for(self, row: ScheduledRequest) -> RequestState:
         """The request's state; a row that (re)admits a request resets it from the
@@ -106,17 +129,29 @@ class InputBatch:
             generator = None
             if seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(seed)
-            state = RequestState([], request.num_prompt_tokens, 0, generator)
-            self.states[request.request_id] = state
+            state = self.add_state(
+                request.request_id, RequestState([], request.num_prompt_tokens, 0, generator)
+            )
         state.token_ids = list(row.reset_token_ids)  # the runner's own copy, grown in place
         state.num_computed = row.reset_num_computed
         state.drafts = state.draft_probs = state.pending_token = None
+        state.slot_ready = False
         return state
 
     def drop(self, request_ids: list[str]) -> None:
-        """Forget ended requests (no step that holds them may be in flight)."""
+        """Forget ended requests; their slots wait in ``released_slots`` until the caller
+        knows no launched step holds them (``free_released_slots``)."""
         for request_id in request_ids:
-            self.states.pop(request_id, None)
+            state = self.states.pop(request_id, None)
+            if state is not None and state.slot >= 0:
+                self.released_slots.append(state.slot)
+
+    def free_released_slots(self) -> None:
+        """Give the dropped requests' slots back (no launched step holds them now)."""
+        if self.slots is not None:
+            for slot in self.released_slots:
+                self.slots.release(slot)
+        self.released_slots = []
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
         """The flat inputs of ``step``: per row, its known tokens and drafts, positions, KV
@@ -126,7 +161,13 @@ class InputBatch:
         for row in step.scheduled:
             state = self.state_for(row)
             start = state.num_computed
-            num_known = min(row.num_new_tokens, len(state.token_ids) - start)
+            # A follow-up row of a request that the step in front of it took to the end of
+            # the context: the scheduler ends it there, so nothing past the end is computed.
+            if start >= self.max_model_len:
+                continue
+            num_known = min(
+                row.num_new_tokens, len(state.token_ids) - start, self.max_model_len - start
+            )
             num_drafts = 0
             if start + num_known == len(state.token_ids):
                 num_drafts = min(state.num_drafts, row.num_new_tokens - num_known)

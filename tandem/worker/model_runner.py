@@ -287,3 +287,23 @@ class ModelRunner:
             self.device,
         )
         return self.model(input_ids, positions, self.kv_caches, metadata, self.backend), input_ids
+
+    def forward_resolved(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        metadata,
+        query_len: int,
+    ) -> torch.Tensor:
+        """The target's hidden states for a uniform step whose rows the device resolved
+        (every input a device tensor; ``metadata`` the step's attention metadata for the
+        eager path): by a CUDA graph's replay when one fits, else eagerly."""
+        rows = block_tables.shape[0]
+        if self.graphs is not None and self.graphs.padded_size([query_len] * rows) is not None:
+            return self.graphs.run_device(
+                input_ids, positions, slot_mapping, seq_lens, block_tables, query_len
+            )
+        return self.model(input_ids, positions, self.kv_caches, metadata, self.backend)

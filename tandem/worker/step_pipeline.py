@@ -3,10 +3,16 @@ launch the next step before reading the one in flight. All of overlap lives here
 
 ``launch`` queues a step (inputs, forward, sampling and verification, logprobs, the copies
 of the results to the host) without waiting; ``read`` waits once for a launched step's
-results and applies them to the worker's request states (then drafts the next tokens with
-the MTP head). ``execute`` is launch-then-read; ``step_ahead`` launches the new step and
-reads the previous one; ``read_in_flight`` reads the last launched step at the end of a
-run. The host waits for the device only inside ``read`` (DESIGN.md invariant 6).
+results and applies them to the worker's request states. ``execute`` is launch-then-read;
+``step_ahead`` launches the new step and reads the previous one; ``read_in_flight`` reads
+the last launched step at the end of a run. The host waits for the device only inside
+``read`` (DESIGN.md invariant 6).
+
+Plain decoding always launches ahead: a decode row's input token is the unread step's
+sample, filled in on the device. With an MTP head, a step whose rows the device can resolve
+(``spec_decode/mtp_steps.py``: every row verifies k drafts from its request's device slot)
+is launched ahead too and drafts at launch; any other step (a prefill chunk joins, a sampled
+or near-the-end row) reads the step in front of it first and drafts at its own read.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from tandem.layers.sampler import LogprobsTensors, compute_logprobs
 from tandem.step import ModelRunnerOutput, SchedulerOutput
 from tandem.worker.input_batch import PLACEHOLDER, InputBatch, RowPlan, StepInputs
 from tandem.worker.model_runner import ModelRunner, on_runner_device
-from tandem.worker.spec_decode.proposer import ProposalRow
+from tandem.worker.request_slots import RequestSlots
+from tandem.worker.spec_decode.mtp_steps import MTPSteps
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
 
 
@@ -35,9 +42,10 @@ class LaunchedStep:
     sample: StepSample | None
     prompt_logprobs: LogprobsTensors | None
     reads: PendingRead | None  # the step's results on their way to the host
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None  # the target's hidden states (drafting at the read)
     output: ModelRunnerOutput
     advanced: bool  # request states were advanced at launch (plain decoding)
+    resolved: bool = False  # an MTP step resolved on the device (drafted at launch)
 
 
 class StepPipeline:
@@ -46,12 +54,21 @@ class StepPipeline:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.device = runner.device
-        self.batch = InputBatch(runner.device, runner.block_size)
+        num_drafts = runner.config.speculative.num_speculative_tokens
+        slots = RequestSlots(num_drafts, runner.device) if runner.proposer is not None else None
+        self.batch = InputBatch(runner.device, runner.block_size, runner.max_model_len, slots)
         # Every rank seeds alike, so all sample the same tokens from the same full logits.
         self.default_generator = torch.Generator(device=self.device).manual_seed(runner.config.seed)
+        # With an MTP head: which steps the device resolves, their launch, and drafting.
+        self.mtp = MTPSteps(runner, self.batch, self.default_generator) if slots else None
         self.reader = DeviceReader(self.device)
         self.launch_seconds = 0.0  # the host's time in launch (preparing, queueing steps)
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
+        # MTP steps resolved on the device, and those queued before the step in front of
+        # them was read (the rest read first: a prefill joined, a row near the length
+        # limit, sampled rows, ...).
+        self.num_resolved_steps = 0
+        self.num_launched_ahead = 0
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -63,16 +80,21 @@ class StepPipeline:
     @torch.inference_mode()
     def step_ahead(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         """Overlap scheduling: queue ``step``'s device work, then read the step launched by
-        the previous call and return its output (None when there was none). With plain
-        decoding the new step is queued before the read, so the device never waits for the
-        host's bookkeeping; with MTP the new step's drafts and positions depend on the
-        previous step's accepted tokens, so that step is read first."""
+        the previous call and return its output (None when there was none). The new step
+        is queued before the read, so the device never waits for the host's bookkeeping,
+        unless it depends on the host's view of the previous one: with MTP, unless both
+        are resolved on the device (the module docstring)."""
         previous, self._launched = self._launched, None
         output = None
-        if previous is not None and (self.runner.proposer is not None or step.is_empty):
+        if previous is not None and (
+            step.is_empty
+            or (self.mtp is not None and not (previous.resolved and self.mtp.resolvable(step)))
+        ):
             output, previous = self.read(previous), None
         self._launched = self._timed_launch(step)
         if previous is not None:
+            if self.mtp is not None:
+                self.num_launched_ahead += 1
             output = self.read(previous)
         return output
 
@@ -90,14 +112,24 @@ class StepPipeline:
         finally:
             self.launch_seconds += time.perf_counter() - started
 
+    def drop_requests(self, request_ids: list[str]) -> None:
+        """Forget ended requests; their device slots are freed once no launched step can
+        still touch them."""
+        self.batch.drop(request_ids)
+        if self._launched is None:
+            self.batch.free_released_slots()
+
     def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
         """Queue one step's device work (forward, sampling, logprobs) without waiting."""
-        for request_id in step.finished_request_ids:
-            self.batch.states.pop(request_id, None)
+        self.batch.drop(step.finished_request_ids)
         if step.is_empty:
             return None
         begun = self.reader.begin()
+        if self.mtp is not None and self.mtp.resolvable(step):
+            return self._launch_resolved(step, begun)
         inputs = self.batch.prepare(step)
+        if not inputs.plans:  # every row past the context's end: nothing to compute
+            return LaunchedStep(inputs, [], [], None, None, None, None, ModelRunnerOutput(), False)
         hidden, input_ids = self.runner.forward(inputs)
         sampling_plans = [plan for plan in inputs.plans if plan.samples]
         sampling_rows: list[SamplingRow] = []
@@ -151,6 +183,27 @@ class StepPipeline:
             self._advance(launched)
         return launched
 
+    def _launch_resolved(self, step: SchedulerOutput, begun) -> LaunchedStep:
+        """Queue an MTP step whose rows the device resolves (``uniform_step``)."""
+        plans, sample, sampling_rows = self.mtp.launch_resolved(step)
+        reads = [sample.candidates, sample.num_emitted]
+        if sample.logprobs is not None:
+            reads += sample.logprobs.tensors()
+        inputs = StepInputs(plans, [], [], [], [], [], [], [], [], [], [], [])
+        self.num_resolved_steps += 1
+        return LaunchedStep(
+            inputs,
+            plans,
+            sampling_rows,
+            sample,
+            None,
+            self.reader.start(reads, begun),
+            None,
+            ModelRunnerOutput(),
+            advanced=False,
+            resolved=True,
+        )
+
     def _advance(self, launched: LaunchedStep) -> None:
         """Plain decoding emits exactly one token per sampling row, so the request states
         move on at launch: the next step can be prepared before this one is read."""
@@ -176,8 +229,11 @@ class StepPipeline:
             for plan in launched.inputs.plans:
                 if plan.request_id not in emitted:
                     plan.state.num_computed += plan.num_known
-        if self.runner.proposer is not None:
-            self._propose(launched.inputs, launched.hidden, emitted, output)
+        if launched.resolved:  # drafted at launch: the drafts are in the slots
+            self.mtp.after_resolved_read(launched.inputs.plans, output)
+        elif self.mtp is not None:
+            self.mtp.draft_after_read(launched.inputs, launched.hidden, emitted, output)
+        self.batch.free_released_slots()
         return output
 
     def _emit(self, launched: LaunchedStep, host: list, output) -> dict[str, list[int]]:
@@ -223,40 +279,6 @@ class StepPipeline:
             state.token_ids.extend(tokens)
             state.drafts = state.draft_probs = None
         return emitted
-
-    def _propose(self, inputs: StepInputs, hidden, emitted, output) -> None:
-        """Run the MTP head over the step's kept positions and draft the next tokens."""
-        k = self.runner.config.speculative.num_speculative_tokens
-        rows: list[ProposalRow] = []
-        sampling = {}
-        for plan in inputs.plans:
-            request_id = plan.request_id
-            state = plan.state
-            new_tokens = emitted.get(request_id, [])
-            # Kept positions: the known tokens computed here plus the accepted drafts.
-            num_kept = plan.num_known + max(len(new_tokens) - 1, 0)
-            kept = list(range(plan.start, plan.start + num_kept))
-            num_drafts = 0
-            if new_tokens:
-                # Drafts beyond the context would have no KV slot.
-                num_drafts = max(0, min(k, self.runner.max_model_len - 1 - (kept[-1] + 1)))
-                sampling[request_id] = (plan.row.request.sampling_params, state.generator)
-            rows.append(
-                ProposalRow(
-                    request_id,
-                    kept,
-                    [plan.offset + p - plan.start for p in kept],
-                    [state.token_ids[p + 1] for p in kept],
-                    plan.row.block_ids,
-                    num_drafts,
-                )
-            )
-        proposal = self.runner.proposer.propose(rows, hidden, sampling, self.default_generator)
-        for request_id, drafts in proposal.draft_token_ids.items():
-            state = self.batch.states[request_id]
-            state.drafts = drafts
-            state.draft_probs = proposal.draft_probs.get(request_id)
-            output.num_drafts[request_id] = int(drafts.shape[0])
 
     def _prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> LogprobsTensors:
         targets = [t for _, _, row_targets in inputs.prompt_rows for t in row_targets]

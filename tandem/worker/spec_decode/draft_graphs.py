@@ -20,8 +20,71 @@ from functools import partial
 import torch
 
 from tandem.device_copy import copy_to
-from tandem.layers.triton_attention import TritonAttentionMetadata, block_table_array
+from tandem.layers.triton_attention import (
+    TritonAttentionBackend,
+    TritonAttentionMetadata,
+    block_table_array,
+)
 from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch_sizes
+
+
+def draft_chain(
+    proposer,
+    last_positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    num_depths: int,
+    host_block_tables: list[list[int]] | None = None,
+) -> torch.Tensor:
+    """Greedy draft depths 1..``num_depths`` of one row per request: ``[rows, num_depths]``
+    tokens, each depth at the next position after ``last_positions`` (the last kept one) on
+    the previous depth's ``tokens`` and ``hidden`` (writes the head's KV at each depth).
+    Positions, KV slots and sequence lengths are computed on the device. The torch
+    attention backend (whose metadata is shaped on the host) also needs the block tables
+    as ``host_block_tables``."""
+    block_size = proposer.block_size
+    query_starts = torch.arange(
+        last_positions.shape[0] + 1, dtype=torch.int32, device=last_positions.device
+    )
+    drafts = []
+    for depth in range(1, num_depths + 1):
+        positions = last_positions + depth
+        blocks = block_tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        seq_lens = positions + 1
+        slot_mapping = blocks.long() * block_size + positions % block_size
+        if isinstance(proposer.backend, TritonAttentionBackend):
+            metadata = TritonAttentionMetadata(
+                slot_mapping=slot_mapping,
+                max_query_len=1,
+                block_tables=block_tables,
+                query_start_loc_device=query_starts,
+                seq_lens_device=seq_lens.to(torch.int32),
+            )
+        else:  # the torch reference: its metadata is shaped from host values
+            rows, width = block_tables.shape
+            metadata = proposer.backend.build_metadata(
+                [1] * rows,
+                [width * block_size] * rows,
+                host_block_tables,
+                slot_mapping,
+                block_size,
+                positions.device,
+                seq_lens_device=seq_lens,
+            )
+        layer_index = proposer.head.layer_for_depth(depth)
+        layer = proposer.head.layers[layer_index]
+        hidden = layer(
+            positions,
+            proposer.model.embed_tokens(tokens),
+            hidden,
+            proposer.kv_caches[layer_index],
+            metadata,
+            proposer.backend,
+        )
+        tokens = proposer.model.compute_logits(layer.final_norm(hidden)).argmax(dim=-1)
+        drafts.append(tokens)
+    return torch.stack(drafts, dim=1)
 
 
 class DraftGraphRunner:
@@ -58,36 +121,15 @@ class DraftGraphRunner:
         return next((size for size in self.batch_sizes if size >= num_rows), None)
 
     def _chain(self, size: int) -> torch.Tensor:
-        """Depths 1..num_depths for the first ``size`` rows of the static buffers:
-        ``[size, num_depths]`` greedy draft tokens (writes the head's KV at each depth)."""
-        proposer = self.proposer
-        block_size = proposer.block_size
-        table = self.block_tables[:size]
-        tokens, hidden = self.tokens[:size], self.hidden[:size]
-        drafts = []
-        for depth in range(1, self.num_depths + 1):
-            positions = self.last_positions[:size] + depth
-            blocks = table.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-            metadata = TritonAttentionMetadata(
-                slot_mapping=blocks.long() * block_size + positions % block_size,
-                max_query_len=1,
-                block_tables=table,
-                query_start_loc_device=self.query_starts[: size + 1],
-                seq_lens_device=(positions + 1).to(torch.int32),
-            )
-            layer_index = proposer.head.layer_for_depth(depth)
-            layer = proposer.head.layers[layer_index]
-            hidden = layer(
-                positions,
-                proposer.model.embed_tokens(tokens),
-                hidden,
-                proposer.kv_caches[layer_index],
-                metadata,
-                proposer.backend,
-            )
-            tokens = proposer.model.compute_logits(layer.final_norm(hidden)).argmax(dim=-1)
-            drafts.append(tokens)
-        return torch.stack(drafts, dim=1)
+        """Depths 1..num_depths for the first ``size`` rows of the static buffers."""
+        return draft_chain(
+            self.proposer,
+            self.last_positions[:size],
+            self.block_tables[:size],
+            self.tokens[:size],
+            self.hidden[:size],
+            self.num_depths,
+        )
 
     def _fill(
         self,
@@ -144,3 +186,32 @@ class DraftGraphRunner:
         graph.replay()
         self.num_replays += 1
         return drafts[: len(last_positions)]
+
+    def run_device(
+        self,
+        last_positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`run` for rows whose last kept positions [rows] and block tables
+        [rows, width] are device tensors (a step launched before the one in front of it
+        was read): device-to-device copies into the static buffers, then the replay."""
+        rows, width = block_tables.shape
+        size = self.padded_size(rows)
+        if size is None:
+            raise ValueError(
+                f"{rows} rows: more than the largest draft graph ({self.batch_sizes[-1]})"
+            )
+        self.last_positions[:rows].copy_(last_positions)
+        self.last_positions[rows:size].zero_()
+        self.block_tables[:rows, :width].copy_(block_tables)
+        self.block_tables[rows:size].fill_(self.scratch_block)
+        self.tokens[:rows].copy_(tokens)
+        self.hidden[:rows].copy_(hidden)
+        if not self.graphs:  # not captured (the CPU): the same chain, eagerly
+            return self._chain(size)[:rows]
+        graph, drafts = self.graphs[size]
+        graph.replay()
+        self.num_replays += 1
+        return drafts[:rows]

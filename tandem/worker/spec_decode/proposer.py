@@ -19,6 +19,7 @@ from tandem.layers.sampler import apply_filters, draw
 from tandem.models.llama import LlamaModel
 from tandem.models.mtp import MTPHead
 from tandem.sampling_params import SamplingParams
+from tandem.worker.spec_decode.draft_graphs import draft_chain
 from tandem.worker.step_sampler import sampling_batch
 
 
@@ -45,6 +46,10 @@ class Proposal:
 
 class MTPProposer:
     """Runs the MTP head of a target model over its paged KV cache."""
+
+    # It drafts after a uniform step on the device alone (``propose_uniform``): such steps
+    # can be queued before the one in front of them is read.
+    resolves_on_device = True
 
     def __init__(
         self,
@@ -189,3 +194,58 @@ class MTPProposer:
                     [p[index] for p in probs_per_depth[: row.num_drafts]]
                 )
         return proposal
+
+    def propose_uniform(
+        self,
+        target_hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        metadata,
+        accepted: torch.Tensor,
+        block_tables: torch.Tensor,
+        host_block_tables: list[list[int]],
+        num_drafts: int,
+    ) -> torch.Tensor:
+        """Greedy drafts ``[rows, num_drafts]`` after a uniform verification step, all on
+        the device: depth 0 runs at fixed shape over every verified row (``positions``,
+        ``metadata`` and the target's ``target_hidden`` of the step; ``next_tokens`` the
+        token after each position, i.e. the step's candidates), so rows past a request's
+        ``accepted`` count write MTP KV that the next step overwrites, exactly as the
+        target's rejected rows do; the accepted row's output is gathered and the later
+        depths chain from it (a CUDA graph when one fits)."""
+        rows = accepted.shape[0]
+        query_len = positions.shape[0] // rows
+        layer_index = self.head.layer_for_depth(0)
+        layer = self.head.layers[layer_index]
+        hidden = layer(
+            positions,
+            self.model.embed_tokens(next_tokens),
+            target_hidden,
+            self.kv_caches[layer_index],
+            metadata,
+            self.backend,
+        )
+        kept = torch.arange(rows, device=accepted.device) * query_len + accepted
+        hidden = hidden.index_select(0, kept)
+        first = self.model.compute_logits(layer.final_norm(hidden)).argmax(dim=-1)
+        if num_drafts == 1:
+            return first.unsqueeze(1)
+        last_positions = positions.view(rows, query_len)[:, 0] + accepted
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and graphs.num_depths == num_drafts - 1
+            and graphs.padded_size(rows) is not None
+        ):
+            later = graphs.run_device(last_positions, block_tables, first, hidden)
+        else:
+            later = draft_chain(
+                self,
+                last_positions,
+                block_tables,
+                first,
+                hidden,
+                num_drafts - 1,
+                host_block_tables,
+            )
+        return torch.cat([first.unsqueeze(1), later], dim=1)

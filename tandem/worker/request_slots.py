@@ -1,0 +1,56 @@
+"""Per-request state on the device, so that a speculative step can be launched before the
+step in front of it has been read.
+
+Each running request with an MTP head owns one slot: the position of its last known token
+(where its next verification row starts), that token, and the k drafts to verify after it.
+Every MTP step writes its rows' slots on the device, in stream order (verification moves
+``next_start`` and ``last_token`` on by the accepted count, drafting fills ``drafts``), so a
+step queued behind it reads what the step before it will have written, without the host
+knowing the accepted counts yet. Slots grow on demand; a freed slot is reused only once no
+launched step can still touch it (the caller frees it after reading that step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.device_copy import to_device
+
+
+class RequestSlots:
+    """The device slots of one worker's requests (see the module docstring)."""
+
+    def __init__(self, num_drafts: int, device: torch.device, capacity: int = 8):
+        self.num_drafts = num_drafts
+        self.device = device
+        self.next_start = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.last_token = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.drafts = torch.zeros((capacity, num_drafts), dtype=torch.long, device=device)
+        self._free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.next_start.shape[0]
+
+    def assign(self) -> int:
+        """A free slot (the storage doubles when none is left)."""
+        if not self._free:
+            old = self.capacity
+            self.next_start = torch.cat([self.next_start, torch.zeros_like(self.next_start)])
+            self.last_token = torch.cat([self.last_token, torch.zeros_like(self.last_token)])
+            self.drafts = torch.cat([self.drafts, torch.zeros_like(self.drafts)])
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back (no launched step may still touch it)."""
+        self._free.append(slot)
+
+    def write(
+        self, slots: list[int], starts: list[int], last_tokens: list[int], drafts: torch.Tensor
+    ) -> None:
+        """Set slots from host values and device drafts [len(slots), k] (no wait)."""
+        index = to_device(slots, torch.long, self.device)
+        self.next_start.index_copy_(0, index, to_device(starts, torch.long, self.device))
+        self.last_token.index_copy_(0, index, to_device(last_tokens, torch.long, self.device))
+        self.drafts.index_copy_(0, index, drafts)

@@ -1,0 +1,141 @@
+"""The MTP side of the step pipeline: which steps the device can resolve (and so launch
+before the step in front of them is read), their launch, and drafting after the read of a
+step that was not resolved (a prefill chunk joined, a sampled row, a row near the end of the
+context: the head's rows there are ragged and known to the host only then)."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.step import ModelRunnerOutput, SchedulerOutput
+from tandem.worker.input_batch import InputBatch, RequestState, RowPlan, StepInputs
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.spec_decode.proposer import ProposalRow
+from tandem.worker.spec_decode.uniform_step import launch_uniform_step, resolved_length_bound
+from tandem.worker.step_sampler import SamplingRow, StepSample
+
+
+class MTPSteps:
+    """Resolved launches and drafting for one step pipeline with an MTP head."""
+
+    def __init__(
+        self, runner: ModelRunner, batch: InputBatch, default_generator: torch.Generator | None
+    ):
+        self.runner = runner
+        self.batch = batch
+        self.slots = batch.slots
+        self.default_generator = default_generator
+
+    def resolvable(self, step: SchedulerOutput) -> bool:
+        """Whether every row of ``step`` can be resolved on the device: the verification
+        of a full k drafts of a greedy request whose slot is ready, with no end-token ban
+        to apply (min_tokens met), and room for the step's writes within its blocks and
+        the context however many drafts the step in front of it accepts."""
+        if step.is_empty or not getattr(self.runner.proposer, "resolves_on_device", False):
+            return False
+        k = self.slots.num_drafts
+        limit_tokens = self.runner.max_model_len
+        for row in step.scheduled:
+            state = self.batch.states.get(row.request.request_id)
+            params = row.request.sampling_params
+            if (
+                row.reset_token_ids is not None
+                or row.num_new_tokens < k + 1
+                or state is None
+                or not state.slot_ready
+                or not params.greedy
+                or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens
+            ):
+                return False
+            limit = min(limit_tokens, len(row.block_ids) * self.runner.block_size)
+            if resolved_length_bound(len(state.token_ids), k) > limit:
+                return False
+        return True
+
+    def launch_resolved(
+        self, step: SchedulerOutput
+    ) -> tuple[list[RowPlan], StepSample, list[SamplingRow]]:
+        """Queue ``step`` (``resolvable``) as a uniform step resolved on the device."""
+        query_len = self.slots.num_drafts + 1
+        plans = [
+            RowPlan(
+                row,
+                self.batch.states[row.request.request_id],
+                -1,  # its start: on the device only
+                1,
+                query_len - 1,
+                index * query_len,
+            )
+            for index, row in enumerate(step.scheduled)
+        ]
+        sample, sampling_rows = launch_uniform_step(
+            self.runner, self.slots, plans, self.default_generator
+        )
+        return plans, sample, sampling_rows
+
+    def after_resolved_read(self, plans: list[RowPlan], output: ModelRunnerOutput) -> None:
+        """A resolved step was read: each request's drafts for its next step are in its
+        slot (those that would pass the context's end dropped, as at a ragged read)."""
+        k = self.slots.num_drafts
+        for plan in plans:
+            state = plan.state
+            num_drafts = max(0, min(k, self.runner.max_model_len - len(state.token_ids)))
+            state.drafts = self.slots.drafts[state.slot][:num_drafts] if num_drafts else None
+            state.slot_ready = num_drafts == k
+            output.num_drafts[plan.request_id] = num_drafts
+
+    def draft_after_read(self, inputs: StepInputs, hidden, emitted, output) -> None:
+        """After a step that was not resolved on the device has been read: run the MTP
+        head over its kept positions (ragged rows the host now knows) and draft the next
+        tokens; requests with a full k drafts get their slots filled."""
+        k = self.runner.config.speculative.num_speculative_tokens
+        rows: list[ProposalRow] = []
+        sampling = {}
+        for plan in inputs.plans:
+            request_id = plan.request_id
+            state = plan.state
+            new_tokens = emitted.get(request_id, [])
+            # Kept positions: the known tokens computed here plus the accepted drafts.
+            num_kept = plan.num_known + max(len(new_tokens) - 1, 0)
+            kept = list(range(plan.start, plan.start + num_kept))
+            num_drafts = 0
+            if new_tokens:
+                # Drafts beyond the context would have no KV slot.
+                num_drafts = max(0, min(k, self.runner.max_model_len - 1 - (kept[-1] + 1)))
+                sampling[request_id] = (plan.row.request.sampling_params, state.generator)
+            rows.append(
+                ProposalRow(
+                    request_id,
+                    kept,
+                    [plan.offset + p - plan.start for p in kept],
+                    [state.token_ids[p + 1] for p in kept],
+                    plan.row.block_ids,
+                    num_drafts,
+                )
+            )
+        proposal = self.runner.proposer.propose(rows, hidden, sampling, self.default_generator)
+        for plan in inputs.plans:
+            plan.state.slot_ready = False
+        ready: list[RequestState] = []
+        for request_id, drafts in proposal.draft_token_ids.items():
+            state = self.batch.states[request_id]
+            state.drafts = drafts
+            state.draft_probs = proposal.draft_probs.get(request_id)
+            output.num_drafts[request_id] = int(drafts.shape[0])
+            if drafts.shape[0] == k:
+                ready.append(state)
+        self.fill_slots(ready)
+
+    def fill_slots(self, states: list[RequestState]) -> None:
+        """Write requests' next start, last token and k drafts into their device slots
+        (from the host's now complete view), so their next step can be resolved there."""
+        if not states:
+            return
+        self.slots.write(
+            [state.slot for state in states],
+            [len(state.token_ids) - 1 for state in states],
+            [state.token_ids[-1] for state in states],
+            torch.stack([state.drafts for state in states]),
+        )
+        for state in states:
+            state.slot_ready = True

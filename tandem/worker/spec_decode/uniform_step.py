@@ -1,0 +1,93 @@
+"""One MTP step whose rows the device resolves, so it can be queued before the step in front
+of it has been read.
+
+Every row verifies the k drafts of one request: its last known token and drafts, and the
+position it starts at, come from the request's device slot (``RequestSlots``), which the
+step before wrote in stream order. The step computes on the device, with no host value
+that depends on an unread step: positions, KV slots and sequence lengths; the target's
+forward (a CUDA graph's replay when one fits); verification, logprobs and the accepted
+counts (``sample_step``); the slots' next start and last token; and the next drafts (depth
+0 of the MTP head at fixed shape over every verified row, then the later depths). The host
+only knows upper bounds of the rows' lengths, for sizing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.device_copy import to_device
+from tandem.layers.triton_attention import block_table_array
+from tandem.worker.input_batch import RowPlan
+from tandem.worker.model_runner import ModelRunner
+from tandem.worker.request_slots import RequestSlots
+from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
+
+
+def resolved_length_bound(num_known_tokens: int, num_drafts: int) -> int:
+    """One past the highest position that a resolved row may write, target and MTP head
+    together, for a request of ``num_known_tokens`` tokens on the host: the row starts at
+    most one step's k + 1 tokens past the last known token, verifies k drafts, and the
+    head drafts k - 1 deeper."""
+    last_known = num_known_tokens - 1
+    return last_known + (num_drafts + 1) + num_drafts + (num_drafts - 1) + 1
+
+
+def launch_uniform_step(
+    runner: ModelRunner,
+    slots: RequestSlots,
+    plans: list[RowPlan],
+    default_generator: torch.Generator | None,
+) -> tuple[StepSample, list[SamplingRow]]:
+    """Queue the uniform step of ``plans`` (offsets ``b * (k + 1)``); returns its sample
+    (candidates, emitted counts and logprobs on the device) and sampling rows."""
+    k = slots.num_drafts
+    query_len = k + 1
+    device, block_size = runner.device, runner.block_size
+    rows = len(plans)
+    slot_ids = to_device([plan.state.slot for plan in plans], torch.long, device)
+    start = slots.next_start.index_select(0, slot_ids)
+    positions = (start[:, None] + torch.arange(query_len, device=device)).reshape(-1)
+    input_ids = torch.cat(
+        [
+            slots.last_token.index_select(0, slot_ids)[:, None],
+            slots.drafts.index_select(0, slot_ids),
+        ],
+        dim=1,
+    ).reshape(-1)
+    host_tables = [plan.row.block_ids for plan in plans]
+    width = max(len(table) for table in host_tables)
+    tables = to_device(block_table_array(host_tables, width), torch.int32, device)
+    blocks = tables.gather(1, (positions.view(rows, query_len) // block_size).int().long())
+    slot_mapping = (blocks.long() * block_size).reshape(-1) + positions % block_size
+    seq_lens = start + query_len
+    bounds = [
+        min(len(plan.state.token_ids) + 2 * query_len, len(plan.row.block_ids) * block_size)
+        for plan in plans
+    ]
+    metadata = runner.backend.build_metadata(
+        [query_len] * rows, bounds, host_tables, slot_mapping, block_size, device, seq_lens
+    )
+    hidden = runner.forward_resolved(
+        input_ids, positions, slot_mapping, seq_lens, tables, metadata, query_len
+    )
+    logits = runner.model.compute_logits(hidden)
+    sampling_rows = [
+        SamplingRow(
+            index * query_len,
+            k,
+            plan.row.request.sampling_params,
+            plan.state.generator,
+            len(plan.state.token_ids) - plan.state.num_prompt_tokens,
+        )
+        for index, plan in enumerate(plans)
+    ]
+    sample = sample_step(sampling_rows, logits, input_ids, default_generator)
+    accepted = sample.num_emitted - 1
+    bonus = sample.candidates.view(rows, query_len).gather(1, accepted[:, None]).squeeze(1)
+    slots.next_start.index_copy_(0, slot_ids, start + accepted + 1)
+    slots.last_token.index_copy_(0, slot_ids, bonus)
+    drafts = runner.proposer.propose_uniform(
+        hidden, sample.candidates, positions, metadata, accepted, tables, host_tables, k
+    )
+    slots.drafts.index_copy_(0, slot_ids, drafts)
+    return sample, sampling_rows

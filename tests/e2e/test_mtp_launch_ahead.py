@@ -1,0 +1,131 @@
+"""MTP with overlap launches step n+1 before reading step n: uniform decode steps are
+resolved on the device (positions, inputs and drafts from per-request device slots), their
+output is exactly the plain engine's, the slots always agree with the host once a step is
+read, and no resolved row writes outside its blocks or the context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import SamplingParams
+from tandem.bench.datasets import load_mtbench
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def prompts(llm_cache):
+    from tandem import LLM
+
+    if () not in llm_cache:
+        llm_cache[()] = LLM()
+    tokenizer = llm_cache[()].tokenizer
+    questions = [q["turns"][0] for q in load_mtbench()[1::7]][:8]
+    return [
+        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
+        for q in questions
+    ]
+
+
+def _greedy(max_tokens: int = 48, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, **kwargs)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_mtp_decode_steps_are_queued_before_the_previous_read(make_llm, prompts):
+    llm = make_llm(speculative="mtp", num_speculative_tokens=K)
+    pipeline = llm.engine.pipeline
+    step_ahead = pipeline.step_ahead
+    decode_steps = ahead = 0
+
+    def counting(step):
+        nonlocal decode_steps, ahead
+        before = pipeline.num_launched_ahead
+        decode_only = not step.is_empty and all(
+            row.reset_token_ids is None and row.start >= row.request.num_prompt_tokens
+            for row in step.scheduled
+        )
+        output = step_ahead(step)
+        if decode_only:
+            decode_steps += 1
+            ahead += pipeline.num_launched_ahead - before
+        return output
+
+    pipeline.step_ahead = counting
+    try:
+        outputs = llm.generate(prompts, _greedy(ignore_eos=True), use_tqdm=False)
+    finally:
+        del pipeline.step_ahead
+    plain = make_llm().generate(prompts, _greedy(ignore_eos=True), use_tqdm=False)
+    assert _tokens(outputs) == _tokens(plain)
+    assert decode_steps >= 10
+    assert ahead >= 0.9 * decode_steps, f"{ahead} of {decode_steps} decode steps ran ahead"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_device_slots_agree_with_the_host_under_preemption_and_aborts(make_llm, prompts, overlap):
+    llm = make_llm(
+        speculative="mtp",
+        num_speculative_tokens=K,
+        num_kv_blocks=48,
+        max_num_seqs=8,
+        overlap=overlap,
+    )
+    pipeline = llm.engine.pipeline
+    slots = pipeline.mtp.slots
+    before = llm.get_metrics()["num_preemptions"]
+    ids = [llm.add_request(p, _greedy(64, ignore_eos=True)) for p in prompts]
+    checked = steps = 0
+    while llm.engine.has_unfinished_requests():
+        llm.step()
+        steps += 1
+        if steps == 6:
+            for request_id in ids[::3]:
+                llm.abort_request(request_id)
+        in_flight = pipeline._launched
+        held = {p.request_id for p in in_flight.inputs.plans} if in_flight else set()
+        for request_id, state in pipeline.batch.states.items():
+            if not state.slot_ready or request_id in held:
+                continue  # a step in flight has yet to be read for it
+            checked += 1
+            assert slots.next_start[state.slot].item() == len(state.token_ids) - 1
+            assert slots.last_token[state.slot].item() == state.token_ids[-1]
+            assert torch.equal(slots.drafts[state.slot], state.drafts)
+    assert checked > 0
+    assert llm.get_metrics()["num_preemptions"] > before
+    assert pipeline.num_resolved_steps > 0
+
+
+def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompts, monkeypatch):
+    """Requests run to the context's end: every resolved row's writes (the target's k + 1
+    positions, the head's k - 1 deeper ones at most) stay below the context and inside the
+    blocks the scheduler gave it; rows too near the end are not resolved."""
+    from tandem.worker.spec_decode import mtp_steps
+
+    max_model_len = 160
+    llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_model_len=max_model_len)
+    block_size = llm.engine.block_manager.block_size
+    launch = mtp_steps.launch_uniform_step
+    writes: list[tuple[int, int]] = []  # (highest position a row may write, its limit)
+
+    def checked(runner, slots, plans, generator):
+        for plan in plans:  # on the CPU the slots hold the values the step will read
+            start = int(slots.next_start[plan.state.slot])
+            limit = min(max_model_len, len(plan.row.block_ids) * block_size)
+            writes.append((start + 2 * K - 1, limit))
+        return launch(runner, slots, plans, generator)
+
+    monkeypatch.setattr(mtp_steps, "launch_uniform_step", checked)
+    short_prompts = [p for p in prompts if len(p["prompt_token_ids"]) < 100][:4]
+    outputs = llm.generate(short_prompts, _greedy(None, ignore_eos=True), use_tqdm=False)
+    plain = make_llm(max_model_len=max_model_len).generate(
+        short_prompts, _greedy(None, ignore_eos=True), use_tqdm=False
+    )
+    assert _tokens(outputs) == _tokens(plain)
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert writes and all(highest < limit for highest, limit in writes)
+    assert max(highest for highest, _ in writes) >= max_model_len - 4 * K - 2
