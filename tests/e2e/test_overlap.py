@@ -282,11 +282,13 @@ def test_plain_decoding_queues_the_next_step_before_reading(make_llm, prompts, m
 
 
 @pytest.mark.gpu
-def test_no_hidden_synchronization_on_cuda():
+@pytest.mark.parametrize("sampling", ["mixed", "greedy"])
+def test_no_hidden_synchronization_on_cuda(sampling):
     """On the GPU, torch's sync debug mode turns any implicit synchronization (a blocking
     copy, .item(), a data-dependent shape) into an error; only the DeviceReader's explicit
-    stream wait remains. TANDEM_MODEL names the model file where the default package is
-    not installed."""
+    stream wait remains: with greedy and sampled rows (steps that read first) and with
+    greedy rows alone (MTP steps resolved on the device and launched ahead). TANDEM_MODEL
+    names the model file where the default package is not installed."""
     from tandem import LLM
 
     llm = LLM(
@@ -306,10 +308,16 @@ def test_no_hidden_synchronization_on_cuda():
         for q in load_mtbench()[:16]
     ]
     params = [
-        SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=16, logprobs=2)
+        SamplingParams(
+            temperature=0.0 if i % 2 or sampling == "greedy" else 0.9,
+            seed=i,
+            max_tokens=16,
+            logprobs=2,
+        )
         for i in range(16)
     ]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: allocations, pinning
+    resolved_before = llm.engine.pipeline.num_resolved_steps
     pipeline = llm.engine.pipeline
     calls = []
 
@@ -333,6 +341,8 @@ def test_no_hidden_synchronization_on_cuda():
         llm.engine.shutdown()
     # The strict mode was on for every step (14 with these prompts on the H200).
     assert len(calls) >= 8 and set(calls) == {"step_ahead"}
+    if sampling == "greedy":
+        assert llm.engine.pipeline.num_resolved_steps > resolved_before
 
 
 @pytest.mark.gpu
