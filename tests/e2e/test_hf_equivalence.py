@@ -87,7 +87,7 @@ def _run(llm, prompt_ids):
     return llm.generate([{"prompt_token_ids": p} for p in prompt_ids], _greedy())
 
 
-def test_greedy_batch_matches_hf(make_llm, reference):
+def test_invariant_lossless_greedy_batch_matches_hf(make_llm, reference):
     prompts, results = reference
     assert len(prompts["chat"]) >= 16
     llm = make_llm()

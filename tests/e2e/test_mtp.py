@@ -50,7 +50,7 @@ def assert_same_as_baseline(outputs, baseline) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_mtp_greedy_is_lossless(make_llm, prompts, baseline, k):
+def test_invariant_lossless_mtp_greedy(make_llm, prompts, baseline, k):
     llm = make_llm(speculative="mtp", num_speculative_tokens=k, speculative_model="dummy")
     before = llm.get_metrics()["spec_decode_num_drafts"]
     outputs = llm.generate(prompts, _greedy())

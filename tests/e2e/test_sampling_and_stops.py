@@ -60,7 +60,7 @@ def test_sampled_tokens_stay_inside_min_p(llm):
         assert best - position[token].logprob <= 1.5 * 1.2040 + 1e-4
 
 
-def test_logprobs_hold_top_n_sorted_and_the_sampled_token(llm):
+def test_invariant_logprobs_hold_top_n_sorted_and_the_sampled_token(llm):
     params = SamplingParams(temperature=1.0, max_tokens=10, logprobs=5, seed=11)
     completion = llm.generate(PROMPTS[5], params)[0].outputs[0]
     assert len(completion.logprobs) == len(completion.token_ids)

@@ -132,7 +132,7 @@ def test_aborts_and_stop_strings_keep_the_ranks_in_step(make_llm, tp_client):
     assert stats.get("num_running") == 0 and stats.get("num_waiting") == 0, stats
 
 
-def test_a_dead_rank_fails_requests_instead_of_hanging(tp_client):
+def test_invariant_no_hang_a_dead_rank_fails_requests_instead_of_hanging(tp_client):
     loop, client = tp_client
 
     async def run():
