@@ -97,6 +97,8 @@ class Import:
 
 @dataclass
 class ImportGraph:
+    """Every file of the package (relative paths, sorted) and the imports of each."""
+
     files: list[str]
     imports: dict[str, list[Import]] = field(default_factory=dict)
 
@@ -137,6 +139,7 @@ def _import_nodes(node: ast.AST):
 
 
 def _import_nodes_of(node: ast.AST):
+    """``node`` itself when it imports, then the imports inside it."""
     if isinstance(node, ast.Import | ast.ImportFrom):
         yield node
     elif (
@@ -248,7 +251,7 @@ def find_circles(graph: ImportGraph) -> list[str]:
     """One report per set of files that import each other in a circle: a shortest circle
     through its first file, then every import between its files."""
     reports = []
-    for component in _components(graph):
+    for component in sorted(_components(graph)):
         if len(component) < 2:
             continue
         members = set(component)
