@@ -11,6 +11,8 @@ from tandem.bench.datasets import load_mtbench
 from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
 from tandem.worker.spec.proposer import Proposal
 
+pytestmark = pytest.mark.slow  # MTP engines (k = 1..4) against the plain engine over 16 prompts
+
 MAX_TOKENS = 20
 TOLERANCE = 1e-4
 

@@ -16,6 +16,8 @@ import torch
 from tandem import SamplingParams
 from tandem.bench.datasets import load_mtbench
 
+pytestmark = pytest.mark.slow  # each case: engines with and without overlap over 16 prompts
+
 MAX_TOKENS = 24
 
 

@@ -22,6 +22,8 @@ from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # a prefill/decode pair and a mixed engine core, plain and with MTP
+
 MAX_TOKENS = 16
 NUM_BLOCKS = 256
 LOGPROB_TOLERANCE = 1e-4

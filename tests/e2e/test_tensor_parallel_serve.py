@@ -20,6 +20,8 @@ from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
 from tandem.llm import engine_config
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
 
+pytestmark = pytest.mark.slow  # tensor-parallel engine ranks in spawned processes
+
 COMMON = {"model": "dummy:tiny", "dtype": "float32", "num_kv_blocks": 64}
 TOLERANCE = 1e-4
 TIMEOUT_S = 120
