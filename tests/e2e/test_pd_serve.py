@@ -30,6 +30,8 @@ from tandem.server.protocol import PREFILL_URL_HEADER
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine (extra 'pd')")
 
+pytestmark = pytest.mark.slow  # a prefill, a decode and a mixed server and the router, as processes
+
 STARTUP_TIMEOUT_S = 300
 MAX_TOKENS = 16
 TRANSFER_TIMEOUT_S = 6.0

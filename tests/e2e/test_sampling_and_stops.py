@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from tandem import SamplingParams
 
 PROMPTS = [
@@ -18,6 +20,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_same_alone_and_in_batch_of_8(llm):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20)
     alone = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
@@ -30,6 +33,7 @@ def test_seeded_sampling_same_alone_and_in_batch_of_8(llm):
     assert outputs[3].outputs[0].token_ids == alone
 
 
+@pytest.mark.slow
 def test_different_seeds_give_different_samples(llm):
     outputs = llm.generate(
         [PROMPTS[0]] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=16) for s in range(4)]
@@ -60,7 +64,7 @@ def test_sampled_tokens_stay_inside_min_p(llm):
         assert best - position[token].logprob <= 1.5 * 1.2040 + 1e-4
 
 
-def test_logprobs_hold_top_n_sorted_and_the_sampled_token(llm):
+def test_invariant_logprobs_hold_top_n_sorted_and_the_sampled_token(llm):
     params = SamplingParams(temperature=1.0, max_tokens=10, logprobs=5, seed=11)
     completion = llm.generate(PROMPTS[5], params)[0].outputs[0]
     assert len(completion.logprobs) == len(completion.token_ids)

@@ -23,6 +23,8 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.engine_process import free_port
 
+pytestmark = pytest.mark.slow  # a server process for the module
+
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

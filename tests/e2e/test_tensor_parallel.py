@@ -18,6 +18,8 @@ from tandem import LLM, SamplingParams
 from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
 from tandem.engine_process import free_port
 
+pytestmark = pytest.mark.slow  # tensor-parallel ranks in spawned processes
+
 WORLD_SIZE = 2
 TOLERANCE = 1e-4
 TIMEOUT_S = 150  # for the whole spawned run; a failing rank ends it at once

@@ -20,6 +20,8 @@ from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
 from tandem.llm import engine_config
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
 
+pytestmark = pytest.mark.slow  # tensor-parallel engine ranks in spawned processes
+
 COMMON = {"model": "dummy:tiny", "dtype": "float32", "num_kv_blocks": 64}
 TOLERANCE = 1e-4
 TIMEOUT_S = 120
@@ -132,7 +134,7 @@ def test_aborts_and_stop_strings_keep_the_ranks_in_step(make_llm, tp_client):
     assert stats.get("num_running") == 0 and stats.get("num_waiting") == 0, stats
 
 
-def test_a_dead_rank_fails_requests_instead_of_hanging(tp_client):
+def test_invariant_no_hang_a_dead_rank_fails_requests_instead_of_hanging(tp_client):
     loop, client = tp_client
 
     async def run():

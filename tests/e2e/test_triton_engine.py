@@ -12,6 +12,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # whole engines with the Triton kernels in Triton's interpreter
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -146,7 +146,7 @@ def test_greedy_without_drafts_emits_target_token():
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_invariant2_rejection_sampling_keeps_target_distribution(k):
+def test_invariant_rejection_sampling_keeps_target_distribution(k):
     p, q = P[[*range(k), 3]], Q[:k]  # the bonus position always uses p_3
     emitted = run_trials(rejection_accept, p, q, TRIALS, seed=k)
     assert all(1 <= len(e) <= k + 1 for e in emitted)
@@ -156,7 +156,7 @@ def test_invariant2_rejection_sampling_keeps_target_distribution(k):
     assert abs(rate - 0.5) < 5 * (0.25 / TRIALS) ** 0.5
 
 
-def test_invariant2_no_drafts_samples_from_p():
+def test_invariant_rejection_sampling_no_drafts_samples_from_p():
     emitted = run_trials(rejection_accept, P[:1], Q[:0], 5_000)
     assert all(len(e) == 1 for e in emitted)
     check_all_positions(emitted, P[:1], 0)
@@ -182,7 +182,7 @@ def _replacement_from_p(p, q, drafts, generator):
 
 
 @pytest.mark.parametrize("broken", [_always_accept, _replacement_from_p])
-def test_invariant2_check_rejects_verifier_without_residual_correction(broken):
+def test_invariant_rejection_sampling_check_rejects_verifier_without_residual_correction(broken):
     """Negative control: the goodness-of-fit check above can fail."""
     emitted = run_trials(broken, P, Q, TRIALS // 2, seed=7)
     fits, why = goodness_of_fit(position_counts(emitted, 0), P[0])
@@ -377,7 +377,7 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch():
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_invariant2_batched_rejection_sampling_keeps_target_distribution(k):
+def test_invariant_rejection_sampling_batched_keeps_target_distribution(k):
     """TRIALS requests in one batch (half with k drafts, half with 2, so rows are padded),
     sharing one draw of the default generator: every emitted position follows p."""
     generator = torch.Generator().manual_seed(20 + k)
