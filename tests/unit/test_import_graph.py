@@ -43,8 +43,8 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
             "tandem/train/",
         ),
     ),
-    # The process around the engine loop; the loop (core/engine_core.py) is core.
-    (6, "engine process", ("tandem/core/engine_proc.py",)),
+    # The process around the engine loop: it attaches the PD role to the core.
+    (6, "engine process", ("tandem/engine_process.py",)),
     (5, "core", ("tandem/core/",)),
     (5, "disagg", ("tandem/disagg/",)),
     (4, "worker", ("tandem/worker/",)),
@@ -60,7 +60,8 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
             "tandem/step.py",
             "tandem/outputs.py",
             "tandem/tokenizer.py",
-            "tandem/transfer.py",  # host/device copies
+            "tandem/messages.py",  # the typed messages between processes
+            "tandem/device_copy.py",  # host/device copies
         ),
     ),
 ]
