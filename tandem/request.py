@@ -135,7 +135,7 @@ class PromptLimits:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
         ]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            raise ValueError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(prompt_token_ids)} tokens; the context is {self.max_model_len} "

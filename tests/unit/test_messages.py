@@ -143,9 +143,9 @@ def test_the_api_and_the_core_apply_one_prompt_validation():
     limits.validate([1, 2, 3])
     for prompt, problem in [
         ([], "empty"),
-        ([1, 100], r"\[0, 100\)"),
-        ([1, -1], r"\[0, 100\)"),
-        ([1, True], r"\[0, 100\)"),
+        ([1, 100], r"outside \[0, 100\)"),
+        ([1, -1], r"outside \[0, 100\)"),
+        ([1, True], r"outside \[0, 100\)"),
         ([1] * 8, "context is 8"),
     ]:
         with pytest.raises(ValueError, match=problem):
