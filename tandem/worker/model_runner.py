@@ -97,6 +97,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.proposer: MTPProposer | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.scratch_block = 0
         max_tokens = config.scheduler.max_num_batched_tokens
         self._input_ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
@@ -107,6 +108,7 @@ class ModelRunner:
         """Create the paged KV cache (``num_blocks`` blocks for requests plus one scratch
         block for CUDA graphs' padding rows) and capture the graphs unless eager."""
         self.max_model_len = max_model_len
+        self.scratch_block = num_blocks  # the cache's extra block: padding rows write there
         cache_shape = (
             2,
             num_blocks + 1,

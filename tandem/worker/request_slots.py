@@ -6,8 +6,10 @@ Each running request with an MTP head owns one slot: the position of its last kn
 Every MTP step writes its rows' slots on the device, in stream order (verification moves
 ``next_start`` and ``last_token`` on by the accepted count, drafting fills ``drafts``), so a
 step queued behind it reads what the step before it will have written, without the host
-knowing the accepted counts yet. Slots grow on demand; a freed slot is reused only once no
-launched step can still touch it (the caller frees it after reading that step).
+knowing the accepted counts yet. Slot 0 is the scratch slot of padding rows. Slots grow on
+demand (``generation`` counts the growths: CUDA graphs captured on the old storage are stale
+after one); a freed slot is reused only once no launched step can still touch it (the
+caller frees it after reading that step).
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from tandem.device_copy import to_device
 class RequestSlots:
     """The device slots of one worker's requests (see the module docstring)."""
 
+    scratch = 0  # the slot of padding rows, never assigned to a request
+
     def __init__(self, num_drafts: int, device: torch.device, capacity: int = 8):
         self.num_drafts = num_drafts
         self.device = device
         self.next_start = torch.zeros(capacity, dtype=torch.long, device=device)
         self.last_token = torch.zeros(capacity, dtype=torch.long, device=device)
         self.drafts = torch.zeros((capacity, num_drafts), dtype=torch.long, device=device)
-        self._free = list(range(capacity - 1, -1, -1))
+        self._free = list(range(capacity - 1, 0, -1))
+        self.generation = 0
 
     @property
     def capacity(self) -> int:
@@ -40,6 +45,7 @@ class RequestSlots:
             self.last_token = torch.cat([self.last_token, torch.zeros_like(self.last_token)])
             self.drafts = torch.cat([self.drafts, torch.zeros_like(self.drafts)])
             self._free = list(range(2 * old - 1, old - 1, -1))
+            self.generation += 1
         return self._free.pop()
 
     def release(self, slot: int) -> None:

@@ -55,7 +55,10 @@ class StepPipeline:
         self.runner = runner
         self.device = runner.device
         num_drafts = runner.config.speculative.num_speculative_tokens
-        slots = RequestSlots(num_drafts, runner.device) if runner.proposer is not None else None
+        slots = None
+        if runner.proposer is not None:  # room for every running request and the ones ending
+            capacity = 2 * runner.config.scheduler.max_num_seqs + 2
+            slots = RequestSlots(num_drafts, runner.device, capacity)
         self.batch = InputBatch(runner.device, runner.block_size, runner.max_model_len, slots)
         # Every rank seeds alike, so all sample the same tokens from the same full logits.
         self.default_generator = torch.Generator(device=self.device).manual_seed(runner.config.seed)

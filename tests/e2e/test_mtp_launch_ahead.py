@@ -129,3 +129,36 @@ def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompt
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert writes and all(highest < limit for highest, limit in writes)
     assert max(highest for highest, _ in writes) >= max_model_len - 4 * K - 2
+
+
+def test_the_whole_step_graph_function_equals_the_eager_resolved_step(make_llm):
+    """The function each resolved-step graph records (verification, slot update and
+    drafting in one pass over static buffers, padding rows on the scratch slot and block),
+    run eagerly with Triton's interpreter: the same tokens as the eager resolved step and
+    as decoding without MTP, on a tiny model whose random head drafts and gets rejected."""
+    from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs
+
+    engine = {"model": "dummy:tiny", "attention_backend": "triton", "max_num_seqs": 4}
+    prompts = [{"prompt_token_ids": list(range(3 + i, 30 + 2 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = make_llm(**engine).generate(prompts, params, use_tqdm=False)
+    eager = make_llm(
+        **engine, speculative="mtp", num_speculative_tokens=K, speculative_model="dummy"
+    )
+    want = eager.generate(prompts, params, use_tqdm=False)
+    graphed = make_llm(
+        **engine,
+        speculative="mtp",
+        num_speculative_tokens=K,
+        speculative_model="dummy",
+        seed=0,
+        enforce_eager=True,
+    )
+    mtp = graphed.engine.pipeline.mtp
+    mtp.step_graphs = ResolvedStepGraphs(graphed.engine.runner, mtp.slots, 4)
+    calls = []
+    run = mtp.step_graphs.run
+    mtp.step_graphs.run = lambda *args: calls.append(len(args[0])) or run(*args)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert calls and max(calls) == 3  # three rows, padded to a batch of 4
+    assert _tokens(got) == _tokens(want) == _tokens(plain)

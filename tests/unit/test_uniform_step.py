@@ -99,11 +99,12 @@ def test_fixed_shape_drafting_equals_the_ragged_one_for_every_accepted_count(bac
 
 
 def test_slots_grow_on_demand_and_are_reused_after_release():
-    slots = RequestSlots(num_drafts=2, device=torch.device("cpu"), capacity=2)
-    first = [slots.assign() for _ in range(2)]
+    slots = RequestSlots(num_drafts=2, device=torch.device("cpu"), capacity=3)
+    first = [slots.assign() for _ in range(2)]  # slot 0 is the padding rows' scratch slot
+    assert RequestSlots.scratch not in first and slots.generation == 0
     slots.write(first, [5, 7], [11, 13], torch.tensor([[1, 2], [3, 4]]))
     third = slots.assign()  # full: the storage doubles and keeps what it held
-    assert slots.capacity == 4 and third not in first
+    assert slots.capacity == 6 and third not in first and slots.generation == 1
     assert slots.next_start[first].tolist() == [5, 7]
     assert slots.last_token[first].tolist() == [11, 13]
     assert slots.drafts[first].tolist() == [[1, 2], [3, 4]]

@@ -9,9 +9,14 @@ import torch
 
 from tandem.step import ModelRunnerOutput, SchedulerOutput
 from tandem.worker.input_batch import InputBatch, RequestState, RowPlan, StepInputs
-from tandem.worker.model_runner import ModelRunner
+from tandem.worker.model_runner import ModelRunner, on_runner_device
 from tandem.worker.spec_decode.proposer import ProposalRow
-from tandem.worker.spec_decode.uniform_step import launch_uniform_step, resolved_length_bound
+from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs
+from tandem.worker.spec_decode.uniform_step import (
+    launch_uniform_step,
+    resolved_length_bound,
+    resolved_sampling_rows,
+)
 from tandem.worker.step_sampler import SamplingRow, StepSample
 
 
@@ -25,6 +30,19 @@ class MTPSteps:
         self.batch = batch
         self.slots = batch.slots
         self.default_generator = default_generator
+        self.device = runner.device
+        # Whole resolved steps as CUDA graphs (greedy rows without logprobs).
+        self.step_graphs: ResolvedStepGraphs | None = None
+        if runner.uses_cuda_graphs:
+            self.step_graphs = ResolvedStepGraphs(
+                runner, self.slots, runner.config.scheduler.max_num_seqs
+            )
+            self.capture()
+
+    @on_runner_device
+    def capture(self) -> None:
+        """Capture the resolved steps' graphs (on the runner's device)."""
+        self.step_graphs.capture()
 
     def resolvable(self, step: SchedulerOutput) -> bool:
         """Whether every row of ``step`` can be resolved on the device: the verification
@@ -68,6 +86,17 @@ class MTPSteps:
             )
             for index, row in enumerate(step.scheduled)
         ]
+        graphs = self.step_graphs
+        if (
+            graphs is not None
+            and graphs.padded_size(len(plans)) is not None
+            and all(plan.row.request.sampling_params.logprobs is None for plan in plans)
+        ):
+            candidates, emitted = graphs.run(
+                [plan.state.slot for plan in plans], [plan.row.block_ids for plan in plans]
+            )
+            sampling_rows = resolved_sampling_rows(plans, query_len - 1)
+            return plans, StepSample(candidates, emitted, [], None), sampling_rows
         sample, sampling_rows = launch_uniform_step(
             self.runner, self.slots, plans, self.default_generator
         )

@@ -32,6 +32,20 @@ def resolved_length_bound(num_known_tokens: int, num_drafts: int) -> int:
     return last_known + (num_drafts + 1) + num_drafts + (num_drafts - 1) + 1
 
 
+def resolved_sampling_rows(plans: list[RowPlan], num_drafts: int) -> list[SamplingRow]:
+    """The sampling rows of a resolved step: row b's logits start at ``b * (k + 1)``."""
+    return [
+        SamplingRow(
+            index * (num_drafts + 1),
+            num_drafts,
+            plan.row.request.sampling_params,
+            plan.state.generator,
+            len(plan.state.token_ids) - plan.state.num_prompt_tokens,
+        )
+        for index, plan in enumerate(plans)
+    ]
+
+
 def launch_uniform_step(
     runner: ModelRunner,
     slots: RequestSlots,
@@ -71,16 +85,7 @@ def launch_uniform_step(
         input_ids, positions, slot_mapping, seq_lens, tables, metadata, query_len
     )
     logits = runner.model.compute_logits(hidden)
-    sampling_rows = [
-        SamplingRow(
-            index * query_len,
-            k,
-            plan.row.request.sampling_params,
-            plan.state.generator,
-            len(plan.state.token_ids) - plan.state.num_prompt_tokens,
-        )
-        for index, plan in enumerate(plans)
-    ]
+    sampling_rows = resolved_sampling_rows(plans, k)
     sample = sample_step(sampling_rows, logits, input_ids, default_generator)
     accepted = sample.num_emitted - 1
     bonus = sample.candidates.view(rows, query_len).gather(1, accepted[:, None]).squeeze(1)
