@@ -19,7 +19,8 @@ def export_handoff(pipeline: StepPipeline, request_id: str) -> Handoff:
     state = pipeline.batch.states.get(request_id)
     if state is None:
         raise RuntimeError(f"request {request_id!r} has no worker state to hand over")
-    drafts = state.drafts.tolist() if state.drafts is not None else []
+    device_drafts = pipeline.batch.drafts_of(state)
+    drafts = device_drafts.tolist() if device_drafts is not None else []
     draft_probs = draft_probs_shape = generator_state = None
     if state.draft_probs is not None:
         probs = state.draft_probs.float().cpu().contiguous()

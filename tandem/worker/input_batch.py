@@ -36,10 +36,13 @@ class RequestState:
     # on the device).
     slot: int = -1
     slot_ready: bool = False
+    # Drafts that stayed in the slot after a resolved step (``drafts`` is then None): the
+    # first ``slot_drafts`` of the slot's drafts.
+    slot_drafts: int = 0
 
     @property
     def num_drafts(self) -> int:
-        return 0 if self.drafts is None else int(self.drafts.shape[0])
+        return self.slot_drafts if self.drafts is None else int(self.drafts.shape[0])
 
 
 PLACEHOLDER = -1  # a token sampled by a launched step that the host has not read yet
@@ -135,7 +138,7 @@ class InputBatch:
         state.token_ids = list(row.reset_token_ids)  # the runner's own copy, grown in place
         state.num_computed = row.reset_num_computed
         state.drafts = state.draft_probs = state.pending_token = None
-        state.slot_ready = False
+        state.slot_ready, state.slot_drafts = False, 0
         return state
 
     def drop(self, request_ids: list[str]) -> None:
@@ -145,6 +148,12 @@ class InputBatch:
             state = self.states.pop(request_id, None)
             if state is not None and state.slot >= 0:
                 self.released_slots.append(state.slot)
+
+    def drafts_of(self, state: RequestState) -> torch.Tensor | None:
+        """The request's drafts for its next step (a device tensor), wherever they are."""
+        if state.drafts is None and state.slot_drafts:
+            return self.slots.drafts[state.slot, : state.slot_drafts]
+        return state.drafts
 
     def free_released_slots(self) -> None:
         """Give the dropped requests' slots back (no launched step holds them now)."""
@@ -189,7 +198,7 @@ class InputBatch:
                 inputs.draft_index += range(
                     len(inputs.token_ids), len(inputs.token_ids) + num_drafts
                 )
-                inputs.drafts.append(state.drafts[:num_drafts])
+                inputs.drafts.append(self.drafts_of(state)[:num_drafts])
                 inputs.token_ids += [0] * num_drafts
             inputs.positions += range(start, end)
             blocks = row.block_ids

@@ -89,12 +89,14 @@ class StepPipeline:
         are resolved on the device (the module docstring)."""
         previous, self._launched = self._launched, None
         output = None
+        resolvable = self.mtp is not None and self.mtp.resolvable(step)
         if previous is not None and (
-            step.is_empty
-            or (self.mtp is not None and not (previous.resolved and self.mtp.resolvable(step)))
+            step.is_empty or (self.mtp is not None and not (previous.resolved and resolvable))
         ):
             output, previous = self.read(previous), None
-        self._launched = self._timed_launch(step)
+            # The read may have made the step resolvable (its rows' slots were filled).
+            resolvable = self.mtp is not None and self.mtp.resolvable(step)
+        self._launched = self._timed_launch(step, resolvable)
         if previous is not None:
             if self.mtp is not None:
                 self.num_launched_ahead += 1
@@ -108,10 +110,12 @@ class StepPipeline:
         previous, self._launched = self._launched, None
         return self.read(previous) if previous is not None else None
 
-    def _timed_launch(self, step: SchedulerOutput) -> LaunchedStep | None:
+    def _timed_launch(
+        self, step: SchedulerOutput, resolvable: bool | None = None
+    ) -> LaunchedStep | None:
         started = time.perf_counter()
         try:
-            return self.launch(step)
+            return self.launch(step, resolvable)
         finally:
             self.launch_seconds += time.perf_counter() - started
 
@@ -122,13 +126,16 @@ class StepPipeline:
         if self._launched is None:
             self.batch.free_released_slots()
 
-    def launch(self, step: SchedulerOutput) -> LaunchedStep | None:
-        """Queue one step's device work (forward, sampling, logprobs) without waiting."""
+    def launch(self, step: SchedulerOutput, resolvable: bool | None = None) -> LaunchedStep | None:
+        """Queue one step's device work (forward, sampling, logprobs) without waiting;
+        ``resolvable``: whether the MTP side can resolve it (asked when None)."""
         self.batch.drop(step.finished_request_ids)
         if step.is_empty:
             return None
         begun = self.reader.begin()
-        if self.mtp is not None and self.mtp.resolvable(step):
+        if resolvable is None:
+            resolvable = self.mtp is not None and self.mtp.resolvable(step)
+        if resolvable:
             return self._launch_resolved(step, begun)
         inputs = self.batch.prepare(step)
         if not inputs.plans:  # every row past the context's end: nothing to compute
@@ -281,6 +288,7 @@ class StepPipeline:
             state.num_computed = len(state.token_ids) + count - 1
             state.token_ids.extend(tokens)
             state.drafts = state.draft_probs = None
+            state.slot_drafts = 0
         return emitted
 
     def _prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> LogprobsTensors:

@@ -106,10 +106,11 @@ class MTPSteps:
         """A resolved step was read: each request's drafts for its next step are in its
         slot (those that would pass the context's end dropped, as at a ragged read)."""
         k = self.slots.num_drafts
+        max_model_len = self.runner.max_model_len
         for plan in plans:
             state = plan.state
-            num_drafts = max(0, min(k, self.runner.max_model_len - len(state.token_ids)))
-            state.drafts = self.slots.drafts[state.slot][:num_drafts] if num_drafts else None
+            num_drafts = max(0, min(k, max_model_len - len(state.token_ids)))
+            state.drafts, state.slot_drafts = None, num_drafts
             state.slot_ready = num_drafts == k
             output.num_drafts[plan.request_id] = num_drafts
 
