@@ -17,6 +17,12 @@ import torch
 
 from tandem import LLM
 
+# The helper modules beside the tests (imported by name: pytest puts a test's folder on
+# sys.path) get pytest's assert rewriting too, so their failed asserts show their values.
+pytest.register_assert_rewrite(
+    "mtp_head_helpers", "scheduler_driver", "server_helpers", "verification_stats"
+)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

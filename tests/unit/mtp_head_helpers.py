@@ -1,0 +1,83 @@
+"""The MTP head tests' material: the tiny architecture (the ``dummy:tiny`` preset), random
+heads and target models, parameter comparison, and Hugging Face style checkpoint
+directories (config.json plus safetensors shards)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.llama import LlamaModel, split_fused_weights
+from tandem.models.mtp import MTPHead
+from tandem.models.registry import ModelArchConfig, dummy_preset
+
+MAX_POSITION = 64
+TINY = dummy_preset("tiny")  # vocab 512, hidden 64, intermediate 128, 2 layers, 4/2 heads, d 16
+
+
+def make_rotary(arch: ModelArchConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(arch.head_dim, MAX_POSITION, arch.rope_theta, arch.rope_scaling)
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    """Distinct random values in every parameter, norms included."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def random_head(arch: ModelArchConfig, num_layers: int, seed: int) -> MTPHead:
+    head = MTPHead(arch, num_layers, make_rotary(arch))
+    randomize(head, seed)
+    return head
+
+
+def assert_same_params(actual: torch.nn.Module, expected: torch.nn.Module, skip=()) -> None:
+    got, want = dict(actual.named_parameters()), dict(expected.named_parameters())
+    assert got.keys() == want.keys()
+    for name, param in want.items():
+        if name in skip:
+            continue
+        assert torch.equal(got[name].detach(), param.detach()), f"{name} differs"
+
+
+def hf_config(architecture: str) -> dict:
+    return {
+        "architectures": [architecture],
+        "vocab_size": TINY.vocab_size,
+        "hidden_size": TINY.hidden_size,
+        "intermediate_size": TINY.intermediate_size,
+        "num_hidden_layers": TINY.num_layers,
+        "num_attention_heads": TINY.num_heads,
+        "num_key_value_heads": TINY.num_kv_heads,
+        "head_dim": TINY.head_dim,
+        "rope_theta": TINY.rope_theta,
+        "rms_norm_eps": TINY.rms_norm_eps,
+        "max_position_embeddings": TINY.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+    }
+
+
+def target_tensors(arch: ModelArchConfig, seed: int) -> tuple[LlamaModel, dict[str, torch.Tensor]]:
+    """A random target model and its weights under Hugging Face names."""
+    model = LlamaModel(arch, MAX_POSITION)
+    randomize(model, seed)
+    tensors = {
+        name if name == "lm_head.weight" else "model." + name: tensor
+        for name, tensor in split_fused_weights(model, arch).items()
+    }
+    return model, tensors
+
+
+def write_checkpoint(directory, architecture: str, shards: dict[str, dict]) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config(architecture), f)
+    for file, tensors in shards.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, file))
