@@ -16,6 +16,7 @@ import time
 
 from tandem import LLM, SamplingParams
 from tandem.bench.datasets import load_mtbench
+from tandem.bench.device_profile import profile_generate
 
 
 def _rows(stats: pstats.Stats, steps: int, top: int) -> list[dict]:
@@ -31,7 +32,7 @@ def _rows(stats: pstats.Stats, steps: int, top: int) -> list[dict]:
     ]
 
 
-def profile_run(llm: LLM, batch: int, tokens: int, top: int) -> dict:
+def profile_run(llm: LLM, batch: int, tokens: int, top: int, device_top: int = 0) -> dict:
     """One profiled generate of ``batch`` MT-Bench prompts, ``tokens`` tokens each."""
     questions = load_mtbench()
     prompts = [
@@ -53,13 +54,24 @@ def profile_run(llm: LLM, batch: int, tokens: int, top: int) -> dict:
     wall = time.perf_counter() - started
     steps = llm.get_metrics()["num_steps"] - before["num_steps"]
     stats = pstats.Stats(profiler)
-    return {
+    run = {
         "batch": batch,
         "wall_s": wall,
         "steps": steps,
         "profiled_ms_per_step": 1000 * wall / steps,
         "by_own_time": _rows(stats, steps, top),
     }
+    if device_top:  # the same run under the CUDA profiler: device ops per step
+        device = str(llm.engine.runner.device)
+        before = llm.get_metrics()["num_steps"]
+        profiled = profile_generate(llm, prompts, params, device, top=device_top)
+        steps = llm.get_metrics()["num_steps"] - before
+        run["device_busy_ms_per_step"] = profiled.get("busy_us", 0) / 1000 / steps
+        run["device_window_ms_per_step"] = profiled.get("window_us", 0) / 1000 / steps
+        run["device_ops"] = [
+            {**op, "us_per_step": op["total_us"] / steps} for op in profiled.get("top", [])
+        ]
+    return run
 
 
 def main() -> None:
@@ -69,6 +81,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--modes", default="overlap,mtp+overlap")
+    parser.add_argument("--device-top", type=int, default=0, help="device ops to list (CUDA)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -77,7 +90,7 @@ def main() -> None:
         extra = {"speculative": "mtp", "num_speculative_tokens": 3} if "mtp" in mode else {}
         llm = LLM(device=args.device, max_num_seqs=max(batches), overlap=True, **extra)
         for batch in batches:
-            run = {"mode": mode, **profile_run(llm, batch, args.tokens, args.top)}
+            run = {"mode": mode, **profile_run(llm, batch, args.tokens, args.top, args.device_top)}
             results.append(run)
             print(f"== {mode} batch {batch}: {run['profiled_ms_per_step']:.3f} ms/step profiled")
             for row in run["by_own_time"]:
@@ -85,6 +98,13 @@ def main() -> None:
                     f"{row['own_ms_per_step']:8.3f} own {row['cumulative_ms_per_step']:8.3f} cum"
                     f" {row['calls_per_step']:7.2f}/step  {row['function']}"
                 )
+            if "device_ops" in run:
+                print(
+                    f"-- device busy {run['device_busy_ms_per_step']:.3f} ms/step of a window"
+                    f" of {run['device_window_ms_per_step']:.3f}"
+                )
+                for op in run["device_ops"]:
+                    print(f"{op['us_per_step']:9.2f} us/step {op['count']:6d}x  {op['name'][:90]}")
         llm.engine.shutdown()
         del llm
     if args.out:

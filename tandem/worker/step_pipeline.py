@@ -89,13 +89,14 @@ class StepPipeline:
         are resolved on the device (the module docstring)."""
         previous, self._launched = self._launched, None
         output = None
-        resolvable = self.mtp is not None and self.mtp.resolvable(step)
+        resolvable = self.mtp is not None and self.mtp.resolvable(step, previous is not None)
         if previous is not None and (
             step.is_empty or (self.mtp is not None and not (previous.resolved and resolvable))
         ):
             output, previous = self.read(previous), None
-            # The read may have made the step resolvable (its rows' slots were filled).
-            resolvable = self.mtp is not None and self.mtp.resolvable(step)
+            # The read may have made the step resolvable (its rows' slots were filled, and
+            # its rows start at known positions).
+            resolvable = self.mtp is not None and self.mtp.resolvable(step, ahead=False)
         self._launched = self._timed_launch(step, resolvable)
         if previous is not None:
             if self.mtp is not None:
@@ -134,7 +135,7 @@ class StepPipeline:
             return None
         begun = self.reader.begin()
         if resolvable is None:
-            resolvable = self.mtp is not None and self.mtp.resolvable(step)
+            resolvable = self.mtp is not None and self.mtp.resolvable(step, ahead=False)
         if resolvable:
             return self._launch_resolved(step, begun)
         inputs = self.batch.prepare(step)

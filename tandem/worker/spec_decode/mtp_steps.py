@@ -44,11 +44,12 @@ class MTPSteps:
         """Capture the resolved steps' graphs (on the runner's device)."""
         self.step_graphs.capture()
 
-    def resolvable(self, step: SchedulerOutput) -> bool:
+    def resolvable(self, step: SchedulerOutput, ahead: bool) -> bool:
         """Whether every row of ``step`` can be resolved on the device: the verification
         of a full k drafts of a greedy request whose slot is ready, with no end-token ban
         to apply (min_tokens met), and room for the step's writes within its blocks and
-        the context however many drafts the step in front of it accepts."""
+        the context; ``ahead``: a step in front of it is still unread, so the room must
+        hold however many drafts that step accepts."""
         if step.is_empty or not getattr(self.runner.proposer, "resolves_on_device", False):
             return False
         k = self.slots.num_drafts
@@ -66,7 +67,7 @@ class MTPSteps:
             ):
                 return False
             limit = min(limit_tokens, len(row.block_ids) * self.runner.block_size)
-            if resolved_length_bound(len(state.token_ids), k) > limit:
+            if resolved_length_bound(len(state.token_ids), k, ahead) > limit:
                 return False
         return True
 

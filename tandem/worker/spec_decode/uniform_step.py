@@ -23,13 +23,14 @@ from tandem.worker.request_slots import RequestSlots
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
 
 
-def resolved_length_bound(num_known_tokens: int, num_drafts: int) -> int:
+def resolved_length_bound(num_known_tokens: int, num_drafts: int, ahead: bool = True) -> int:
     """One past the highest position that a resolved row may write, target and MTP head
     together, for a request of ``num_known_tokens`` tokens on the host: the row starts at
-    most one step's k + 1 tokens past the last known token, verifies k drafts, and the
-    head drafts k - 1 deeper."""
-    last_known = num_known_tokens - 1
-    return last_known + (num_drafts + 1) + num_drafts + (num_drafts - 1) + 1
+    the last known token, or (``ahead``: a step of the request is still unread) at most
+    that step's k + 1 tokens past it; it verifies k drafts, and the head drafts k - 1
+    deeper."""
+    start = num_known_tokens - 1 + (num_drafts + 1 if ahead else 0)
+    return start + num_drafts + (num_drafts - 1) + 1
 
 
 def resolved_sampling_rows(plans: list[RowPlan], num_drafts: int) -> list[SamplingRow]:
