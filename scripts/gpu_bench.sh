@@ -7,7 +7,12 @@
 #               with two GPUs also tensor parallelism over NCCL, an engine on cuda:1 and
 #               the NCCL connector; GPU_TESTS names other test files or ids)
 #   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) in MODES
-#               (default plain,overlap,mtp,mtp+overlap), MAX_TOKENS (default 128) each
+#               (default plain,overlap,mtp,mtp+overlap), MAX_TOKENS (default 128) each;
+#               batch 1 decodes QUESTIONS (default 16; 0: one) MT-Bench first turns one
+#               after the other, PROFILE_QUESTIONS (default 4; 0: all) of them profiled;
+#               then STEADY_REQUESTS (default 512, 8x the largest batch; 0: none) ShareGPT
+#               requests at once at the largest batch size, outputs of the dataset's
+#               lengths capped at STEADY_MAX_TOKENS (default 256)
 #   latency     Llama-3-8B shape (dummy weights), then MODEL, batch 1, 128 prompt + 256 output
 #               tokens: ms per token against the bandwidth roofline, with a kernel profile
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
@@ -70,6 +75,9 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
         --batch-sizes "${BATCH_SIZES:-1,8,64}" --max-tokens "${MAX_TOKENS:-128}" \
         --modes "${MODES:-plain,overlap,mtp,mtp+overlap}" --num-speculative-tokens 3 \
+        --questions "${QUESTIONS:-16}" --profile-questions "${PROFILE_QUESTIONS:-4}" \
+        --steady-state-requests "${STEADY_REQUESTS:-512}" \
+        --steady-max-tokens "${STEADY_MAX_TOKENS:-256}" \
         --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn ;;
     latency)
       for m in dummy:llama3-8b "$model"; do
