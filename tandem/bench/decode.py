@@ -10,23 +10,20 @@ largest batch size (``steady``). Every request is greedy with EOS ignored. On CU
 ``fixed`` and ``questions`` rows run a second time under ``torch.profiler`` (CUDA activity
 only); the GPU idle fraction is one minus the union of the kernel, memcpy and memset
 intervals over the window from the first such event to the last. Profiling slows the host
-a little, so that run's wall time is reported beside it.
+a little, so that run's wall time is reported beside it. With ``--oracle-corruption`` the
+modes are followed by ``mtp+overlap`` with the oracle proposer at each rate
+(:mod:`tandem.bench.decode_oracle`).
 """
 
 from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from tandem.bench.decode_runs import (
-    fixed_run,
-    mtbench_prompts,
-    questions_run,
-    steady_requests,
-    steady_run,
-)
+from tandem.bench.decode_oracle import oracle_fields, oracle_mode, parse_rates, record_rows
+from tandem.bench.decode_runs import DecodeRows, mtbench_prompts
 from tandem.bench.results import result_path, write_json
 
 MODE_NAMES = {
@@ -55,34 +52,44 @@ def mode_name(mode: dict) -> str:
     return "overlap" if mode["overlap"] else "plain"
 
 
-def _build_llm(
-    model,
-    mode: dict,
-    device: str,
-    dtype: str | None,
-    max_num_seqs: int,
-    k: int,
-    speculative_model: str | None,
-    kv_cache_memory_gb: float | None,
-) -> Any:
-    """One engine for ``mode``."""
-    from tandem import LLM
+@dataclass
+class EngineSpec:
+    """How each mode's engine is built (beside its mode)."""
 
-    extra: dict = {}
-    if mode["mtp"]:
-        extra.update(
-            speculative="mtp", num_speculative_tokens=k, speculative_model=speculative_model
+    model: str | None
+    device: str
+    dtype: str | None
+    max_num_seqs: int
+    num_speculative_tokens: int
+    speculative_model: str | None
+    kv_cache_memory_gb: float | None
+
+    def build(self, mode: dict) -> Any:
+        """One engine for ``mode`` (the oracle's gets no recordings yet)."""
+        from tandem import LLM
+
+        extra: dict = {}
+        k = self.num_speculative_tokens
+        if mode.get("oracle") is not None:
+            extra.update(
+                speculative="oracle", num_speculative_tokens=k, oracle_corruption=mode["oracle"]
+            )
+        elif mode["mtp"]:
+            extra.update(
+                speculative="mtp",
+                num_speculative_tokens=k,
+                speculative_model=self.speculative_model,
+            )
+        if self.kv_cache_memory_gb is not None:
+            extra["kv_cache_memory_gb"] = self.kv_cache_memory_gb
+        return LLM(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            max_num_seqs=self.max_num_seqs,
+            overlap=mode["overlap"],
+            **extra,
         )
-    if kv_cache_memory_gb is not None:
-        extra["kv_cache_memory_gb"] = kv_cache_memory_gb
-    return LLM(
-        model=model,
-        device=device,
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        overlap=mode["overlap"],
-        **extra,
-    )
 
 
 def _release_memory(device: str) -> None:
@@ -102,32 +109,21 @@ def _print_run(run: dict) -> None:
         kind = f"{run['num_questions']} questions one by one"
     elif kind == "steady":
         kind = f"steady, {run['num_requests']} ShareGPT requests"
+    mode = run["mode"]
+    if run.get("proposer") == "oracle":
+        mode += f" oracle {run['oracle_corruption']:.2f}"
     line = (
-        f"{run['mode']:>11} batch {run['batch_size']:>4} ({kind}): "
+        f"{mode:>11} batch {run['batch_size']:>4} ({kind}): "
         f"{run['tokens_per_s']:9.1f} tok/s "
         f"({run['output_tokens']} tokens in {run['seconds']:.3f} s), GPU idle "
         + ("n/a" if idle is None else f"{idle:.1%}")
     )
     if run.get("mean_acceptance_length") is not None:
         line += f", mean acceptance length {run['mean_acceptance_length']:.3f}"
+    if run.get("expected_acceptance_length") is not None:
+        line += f" (expected {run['expected_acceptance_length']:.3f}"
+        line += f", recording match {run.get('recording_match', 0.0):.1%})"
     print(line, flush=True)
-
-
-def _engine_runs(
-    llm: Any,
-    batch_sizes: list[int],
-    params: Any,
-    k: int | None,
-    device: str,
-    num_questions: int,
-    profile_questions: int,
-) -> Iterator[dict]:
-    """The fixed and questions rows of one engine, one per batch size, as they finish."""
-    for batch_size in batch_sizes:
-        if batch_size == 1 and num_questions > 0:
-            yield questions_run(llm, num_questions, params, k, device, profile_questions)
-        else:
-            yield fixed_run(llm, batch_size, params, k, device)
 
 
 def _record(run: dict, results: dict, path: str | None) -> None:
@@ -154,6 +150,7 @@ def run_decode_bench(
     profile_questions: int = 4,
     steady_state_requests: int = 0,
     steady_max_tokens: int = 256,
+    oracle_corruptions: list[float] | None = None,
 ) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
@@ -164,7 +161,10 @@ def run_decode_bench(
     ``ignore_eos``, ``max_tokens`` each. With ``steady_state_requests`` > 0 each engine
     then runs that many ShareGPT requests at once (``kind: steady``, at the largest batch
     size; output lengths from the dataset, capped at ``steady_max_tokens``). On CUDA the
-    questions row profiles its first ``profile_questions`` (0: all).
+    questions row profiles its first ``profile_questions`` (0: all). Each rate of
+    ``oracle_corruptions`` adds an ``mtp+overlap`` engine whose oracle proposer replays
+    plain decoding's outputs (recorded on the first mode without MTP, else on an engine
+    built for it) with that share of its drafts corrupted.
     Returns ``{"config": ..., "runs": [...]}`` and writes it as
     ``decode-<device>-<stamp>.json`` under ``out_dir`` when one is given.
     """
@@ -181,10 +181,23 @@ def run_decode_bench(
     ):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    on_cuda = device.startswith("cuda")
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rates = list(oracle_corruptions or [])
+    if any(not 0.0 <= rate <= 1.0 for rate in rates):
+        raise ValueError(f"oracle corruption rates must be in [0, 1], got {rates}")
+    k = num_speculative_tokens
+    rows = DecodeRows(
+        batch_sizes,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        device,
+        num_questions,
+        profile_questions,
+        steady_state_requests,
+        steady_max_tokens,
+    )
+    engines = EngineSpec(
+        model, device, dtype, max(batch_sizes), k, speculative_model, kv_cache_memory_gb
+    )
     warmup = SamplingParams(temperature=0.0, max_tokens=_WARMUP_TOKENS, ignore_eos=True)
-    steady_batch = max(batch_sizes)
     config = {
         "model": model,
         "device": device,
@@ -192,50 +205,53 @@ def run_decode_bench(
         "batch_sizes": batch_sizes,
         "max_tokens": max_tokens,
         "modes": [mode_name(m) for m in modes],
-        "num_speculative_tokens": num_speculative_tokens,
+        "num_speculative_tokens": k,
         "speculative_model": speculative_model,
         "kv_cache_memory_gb": kv_cache_memory_gb,
         "num_questions": num_questions if 1 in batch_sizes else 0,
         "profile_questions": profile_questions,
         "steady_state_requests": steady_state_requests,
         "steady_max_tokens": steady_max_tokens,
-        "steady_batch_size": steady_batch if steady_state_requests else None,
+        "steady_batch_size": max(batch_sizes) if steady_state_requests else None,
+        "oracle_corruptions": rates,
         "torch_version": torch.__version__,
     }
-    if on_cuda and torch.cuda.is_available():
+    if device.startswith("cuda") and torch.cuda.is_available():
         config["gpu"] = torch.cuda.get_device_name(torch.device(device))
     results: dict = {"config": config, "runs": []}
     path = None
     if out_dir:
         path = result_path(out_dir, f"decode-{device.split(':')[0]}")
-    requests = None  # the steady rows' ShareGPT requests, sampled once for every mode
-    for mode in modes:
-        llm = _build_llm(
-            model,
-            mode,
-            device,
-            dtype,
-            max(batch_sizes),
-            num_speculative_tokens,
-            speculative_model,
-            kv_cache_memory_gb,
-        )
+    recordings = None  # plain decoding's outputs, for the oracle's engines
+    for mode in modes + [oracle_mode(rate) for rate in rates]:
+        oracle = mode.get("oracle") is not None
+        if oracle and recordings is None:  # no mode without MTP recorded them
+            llm = engines.build(MODE_NAMES["overlap"])
+            rows.sample_steady(llm)
+            recordings = record_rows(llm, "overlap", rows, k, results["config"])
+            del llm
+            _release_memory(device)
+        llm = engines.build(mode)
+        if oracle:
+            llm.engine.runner.proposer.set_recordings(recordings)
         # At the largest batch: its chunked prefill mixes prefill and decode rows, whose
         # kernel variants would otherwise compile inside the first timed run.
         llm.generate(mtbench_prompts(llm, max(batch_sizes)), warmup, use_tqdm=False)
-        if steady_state_requests and requests is None:
-            requests = steady_requests(llm, steady_state_requests, steady_max_tokens)
-        k = num_speculative_tokens if mode["mtp"] else None
-        for made in _engine_runs(
-            llm, batch_sizes, params, k, device, num_questions, profile_questions
-        ):
-            _record({"mode": mode_name(mode), **made}, results, path)
-        if requests:
-            made = steady_run(llm, requests, steady_batch, k, steady_max_tokens)
-            _record({"mode": mode_name(mode), **made}, results, path)
+        rows.sample_steady(llm)
+        proposer = llm.engine.runner.proposer if oracle else None
+        unrecorded = proposer.num_unrecorded_requests if oracle else 0
+        for made in rows.runs(llm, k if mode["mtp"] else None, recordings if oracle else None):
+            run = {"mode": mode_name(mode), **oracle_fields(mode, k), **made}
+            if proposer is not None:  # requests that found no recording (should be none)
+                run["oracle_unrecorded_requests"] = proposer.num_unrecorded_requests - unrecorded
+                unrecorded = proposer.num_unrecorded_requests
+            _record(run, results, path)
+        if rates and recordings is None and not mode["mtp"]:
+            recordings = record_rows(llm, mode_name(mode), rows, k, results["config"])
         del llm
         _release_memory(device)
     if path:
+        write_json(results, path)
         results["output_path"] = path
         print(f"wrote {path}")
     return results
@@ -285,6 +301,13 @@ def add_cli_arguments(parser) -> None:
         default=256,
         help="cap on the steady-state requests' output lengths (the dataset's otherwise)",
     )
+    parser.add_argument(
+        "--oracle-corruption",
+        default=None,
+        metavar="RATES",
+        help="benchmark only: after the modes, mtp+overlap with drafts replayed from plain "
+        "decoding's recorded outputs, this share of them corrupted (comma-separated rates)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
@@ -307,5 +330,6 @@ def main_from_args(args) -> int:
         profile_questions=args.profile_questions,
         steady_state_requests=args.steady_state_requests,
         steady_max_tokens=args.steady_max_tokens,
+        oracle_corruptions=parse_rates(args.oracle_corruption),
     )
     return 0

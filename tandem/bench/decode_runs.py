@@ -12,6 +12,8 @@ Every request is greedy with EOS ignored. :mod:`tandem.bench.decode` puts them t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.bench.datasets import BenchRequest, load_mtbench, load_sharegpt
@@ -69,6 +71,28 @@ def profiled_generate(
     }
 
 
+def _timed(llm: Any, prompts: list[dict], params: Any, recordings: dict | None, tally: list):
+    """``timed_generate``; with ``recordings`` (prompt ids -> a plain run's tokens) it also
+    adds to ``tally`` [tokens in the prefix each output shares with its recording, all
+    output tokens]: below 1, the engine's greedy output left the recorded one."""
+    if recordings is None:
+        return timed_generate(llm, prompts, params)
+    outputs: list = []
+    seconds, tokens = timed_generate(llm, prompts, params, outputs=outputs)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        got = output.outputs[0].token_ids
+        want = recordings.get(tuple(prompt["prompt_token_ids"]), [])
+        shared = min(len(got), len(want))
+        tally[0] += next((i for i in range(shared) if got[i] != want[i]), shared)
+        tally[1] += len(got)
+    return seconds, tokens
+
+
+def _match_field(tally: list) -> dict:
+    """The recordings' agreement with a run's outputs (nothing when none was checked)."""
+    return {"recording_match": tally[0] / tally[1]} if tally[1] else {}
+
+
 def _counter_delta(before: dict, after: dict, name: str) -> int:
     return after.get(name, 0) - before.get(name, 0)
 
@@ -78,12 +102,21 @@ def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
     return acceptance(before, after, k) if k else {}
 
 
-def fixed_run(llm: Any, batch_size: int, params: Any, k: int | None, device: str) -> dict:
+def fixed_run(
+    llm: Any,
+    batch_size: int,
+    params: Any,
+    k: int | None,
+    device: str,
+    recordings: dict | None = None,
+) -> dict:
     """One ``generate`` of ``batch_size`` MT-Bench prompts (``kind: fixed``); ``k`` is the
-    number of drafts when the engine speculates (None: it does not)."""
+    number of drafts when the engine speculates (None: it does not); with ``recordings``
+    the outputs are checked against them (``recording_match``)."""
     prompts = mtbench_prompts(llm, batch_size)
+    tally = [0, 0]
     before = llm.get_metrics()
-    seconds, tokens = timed_generate(llm, prompts, params)
+    seconds, tokens = _timed(llm, prompts, params, recordings, tally)
     after = llm.get_metrics()
     run: dict = {
         "kind": "fixed",
@@ -95,6 +128,7 @@ def fixed_run(llm: Any, batch_size: int, params: Any, k: int | None, device: str
         "num_steps": _counter_delta(before, after, "num_steps"),
         "num_preemptions": _counter_delta(before, after, "num_preemptions"),
         **_spec_fields(before, after, k),
+        **_match_field(tally),
     }
     if device.startswith("cuda"):
         run.update(profiled_generate(llm, prompts, params, device))
@@ -110,6 +144,7 @@ def questions_run(
     k: int | None,
     device: str,
     profile_questions: int = 0,
+    recordings: dict | None = None,
 ) -> dict:
     """Batch 1 over the first ``num_questions`` MT-Bench first turns, one ``generate``
     each (``kind: questions``): tokens/s is all their tokens over all their seconds, the
@@ -122,9 +157,10 @@ def questions_run(
     prompts = mtbench_prompts(llm, num_questions)
     first = llm.get_metrics()
     per_question = []
+    tally = [0, 0]
     for index, prompt in enumerate(prompts):
         before = llm.get_metrics()
-        seconds, tokens = timed_generate(llm, [prompt], params)
+        seconds, tokens = _timed(llm, [prompt], params, recordings, tally)
         entry = {
             "question_id": questions[index % len(questions)].get("question_id"),
             "output_tokens": tokens,
@@ -149,6 +185,7 @@ def questions_run(
         "num_steps": _counter_delta(first, last, "num_steps"),
         "num_preemptions": _counter_delta(first, last, "num_preemptions"),
         **_spec_fields(first, last, k),
+        **_match_field(tally),
         "per_question": per_question,
     }
     if k:
@@ -193,7 +230,12 @@ def steady_requests(
 
 
 def steady_run(
-    llm: Any, requests: list[BenchRequest], batch_size: int, k: int | None, max_tokens: int
+    llm: Any,
+    requests: list[BenchRequest],
+    batch_size: int,
+    k: int | None,
+    max_tokens: int,
+    recordings: dict | None = None,
 ) -> dict:
     """Every request submitted at once to ``llm`` (whose ``max_num_seqs`` is
     ``batch_size``), each with its own output length as ``max_tokens`` (``kind: steady``;
@@ -204,8 +246,9 @@ def steady_run(
     params = [
         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in requests
     ]
+    tally = [0, 0]
     before = llm.get_metrics()
-    seconds, tokens = timed_generate(llm, prompts, params)
+    seconds, tokens = _timed(llm, prompts, params, recordings, tally)
     after = llm.get_metrics()
     num_steps = _counter_delta(before, after, "num_steps")
     return {
@@ -224,5 +267,40 @@ def steady_run(
         "output_tokens_per_step": tokens / num_steps if num_steps else None,
         "num_preemptions": _counter_delta(before, after, "num_preemptions"),
         **_spec_fields(before, after, k),
+        **_match_field(tally),
         "gpu_idle_fraction": None,  # not profiled
     }
+
+
+@dataclass
+class DecodeRows:
+    """The rows every engine runs (see the module docstring)."""
+
+    batch_sizes: list[int]
+    params: Any  # SamplingParams of the fixed and questions rows
+    device: str
+    num_questions: int
+    profile_questions: int
+    steady_state_requests: int
+    steady_max_tokens: int
+    steady: list[BenchRequest] | None = None  # sampled with the first engine, then kept
+
+    def sample_steady(self, llm: Any) -> None:
+        """The steady rows' ShareGPT requests, sampled once for every mode."""
+        if self.steady_state_requests and self.steady is None:
+            self.steady = steady_requests(llm, self.steady_state_requests, self.steady_max_tokens)
+
+    def runs(self, llm: Any, k: int | None, recordings: dict | None = None) -> Iterator[dict]:
+        """The rows of one engine, as they finish (``k``: its drafts, None without)."""
+        params, device = self.params, self.device
+        for batch_size in self.batch_sizes:
+            if batch_size == 1 and self.num_questions > 0:
+                yield questions_run(
+                    llm, self.num_questions, params, k, device, self.profile_questions, recordings
+                )
+            else:
+                yield fixed_run(llm, batch_size, params, k, device, recordings)
+        if self.steady:
+            yield steady_run(
+                llm, self.steady, max(self.batch_sizes), k, self.steady_max_tokens, recordings
+            )
