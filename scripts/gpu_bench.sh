@@ -7,7 +7,18 @@
 #               with two GPUs also tensor parallelism over NCCL, an engine on cuda:1 and
 #               the NCCL connector; GPU_TESTS names other test files or ids)
 #   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) in MODES
-#               (default plain,overlap,mtp,mtp+overlap), MAX_TOKENS (default 128) each
+#               (default plain,overlap,mtp,mtp+overlap), MAX_TOKENS (default 128) each;
+#               batch 1 decodes QUESTIONS (default 16; 0: one) MT-Bench first turns one
+#               after the other, PROFILE_QUESTIONS (default 4; 0: all) of them profiled;
+#               then STEADY_REQUESTS (default 512, 8x the largest batch; 0: none) ShareGPT
+#               requests at once at the largest batch size, outputs of the dataset's
+#               lengths capped at STEADY_MAX_TOKENS (default 256). With ORACLE set (rates,
+#               e.g. 0.19,0.456: expected acceptance lengths 3.0 and 2.0 at k = 3; 0: 4.0)
+#               a second run on ORACLE_MODEL (default dummy:llama3-8b, no trained head):
+#               ORACLE_MODES (default overlap) at ORACLE_BATCH_SIZES (default 1,64), which
+#               record greedy outputs, then mtp+overlap with the oracle proposer replaying
+#               them at each corruption rate; ORACLE_STEADY_REQUESTS (default 256) steady
+#               requests; its own STAGE_TIMEOUT
 #   latency     Llama-3-8B shape (dummy weights), then MODEL, batch 1, 128 prompt + 256 output
 #               tokens: ms per token against the bandwidth roofline, with a kernel profile
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
@@ -67,10 +78,25 @@ for stage in ${STAGES:-tests decode latency throughput}; do
         > "$out/gpu_tests.txt" 2>&1
       status=$?; grep -v Warn "$out/gpu_tests.txt" | tail -30; (exit $status) ;;
     decode)
+      status_all=0
+      rows="--questions ${QUESTIONS:-16} --profile-questions ${PROFILE_QUESTIONS:-4}"
+      rows="$rows --steady-max-tokens ${STEADY_MAX_TOKENS:-256} --num-speculative-tokens 3"
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
         --batch-sizes "${BATCH_SIZES:-1,8,64}" --max-tokens "${MAX_TOKENS:-128}" \
-        --modes "${MODES:-plain,overlap,mtp,mtp+overlap}" --num-speculative-tokens 3 \
-        --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn ;;
+        --modes "${MODES:-plain,overlap,mtp,mtp+overlap}" $rows \
+        --steady-state-requests "${STEADY_REQUESTS:-512}" \
+        --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn \
+        || status_all=$?
+      if [ -n "${ORACLE:-}" ]; then
+        clean_gpus
+        timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda \
+          --model "${ORACLE_MODEL:-dummy:llama3-8b}" --batch-sizes "${ORACLE_BATCH_SIZES:-1,64}" \
+          --max-tokens "${MAX_TOKENS:-128}" --modes "${ORACLE_MODES:-overlap}" $rows \
+          --steady-state-requests "${ORACLE_STEADY_REQUESTS:-256}" --oracle-corruption "$ORACLE" \
+          --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn \
+          || status_all=$?
+      fi
+      (exit $status_all) ;;
     latency)
       for m in dummy:llama3-8b "$model"; do
         timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench latency --device cuda --model "$m" \

@@ -55,16 +55,22 @@ class SchedulerConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding (MTP); accepted now, implemented by the MTP work."""
+    """Speculative decoding: ``mtp``, or for benchmarks only ``oracle`` (drafts replayed
+    from recorded greedy outputs, ``oracle_corruption`` of them corrupted)."""
 
     method: str | None = None
     num_speculative_tokens: int = 0
     # A Tandem head directory, "dummy" (random), or None (the checkpoint's or shipped head).
     model: str | None = None
+    oracle_corruption: float = 0.0
+
+    METHODS = (None, "mtp", "oracle")
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "mtp"):
-            raise ValueError(f"speculative must be None or 'mtp', got {self.method!r}")
+        if self.method not in self.METHODS:
+            raise ValueError(f"speculative must be None, 'mtp' or 'oracle', got {self.method!r}")
+        if not 0.0 <= self.oracle_corruption <= 1.0:
+            raise ValueError(f"oracle_corruption must be in [0, 1], got {self.oracle_corruption}")
         if self.method and not 1 <= self.num_speculative_tokens <= 8:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}"

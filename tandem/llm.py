@@ -32,6 +32,7 @@ def engine_config(
     speculative: str | None = None,
     num_speculative_tokens: int = 3,
     speculative_model: str | None = None,
+    oracle_corruption: float = 0.0,
     overlap: bool = True,
     attention_backend: str | None = None,
     enforce_eager: bool = False,
@@ -65,7 +66,10 @@ def engine_config(
         ),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
         speculative=SpeculativeConfig(
-            speculative, num_speculative_tokens if speculative else 0, speculative_model
+            speculative,
+            num_speculative_tokens if speculative else 0,
+            speculative_model,
+            oracle_corruption,
         ),
         parallel=ParallelConfig(tensor_parallel_size, _distributed_rank(tensor_parallel_size)),
     )

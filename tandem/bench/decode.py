@@ -1,24 +1,30 @@
 """``tandem bench decode``: decode throughput (output tokens/s) at given batch sizes, with and
 without overlap scheduling and MTP, and the fraction of the wall time the GPU sits idle.
 
-Every request is one MT-Bench question's first turn (chat template applied), decoded greedily
-with EOS ignored, so each produces exactly ``max_tokens`` tokens. On CUDA each batch runs a
-second time under ``torch.profiler`` (CUDA activity only); the GPU idle fraction is one minus
-the union of the kernel, memcpy and memset intervals over the window from the first such event
-to the last. Profiling slows the host a little, so that run's wall time is reported beside it.
+Every mode runs its own engine in this process, one after the other, and each engine runs
+the same rows (``kind`` in the JSON; :mod:`tandem.bench.decode_runs`): at batch 1, N
+different MT-Bench first turns one after the other (``questions``; ``--questions 0``: one,
+as ``fixed``); at the larger batch sizes one ``generate`` of that many first turns
+(``fixed``); with ``--steady-state-requests`` also many ShareGPT requests at once at the
+largest batch size (``steady``). Every request is greedy with EOS ignored. On CUDA the
+``fixed`` and ``questions`` rows run a second time under ``torch.profiler`` (CUDA activity
+only); the GPU idle fraction is one minus the union of the kernel, memcpy and memset
+intervals over the window from the first such event to the last. Profiling slows the host
+a little, so that run's wall time is reported beside it. With ``--oracle-corruption`` the
+modes are followed by ``mtp+overlap`` with the oracle proposer at each rate
+(:mod:`tandem.bench.decode_oracle`).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from dataclasses import dataclass
 from typing import Any
 
-from tandem.bench.datasets import load_mtbench
-from tandem.bench.device_profile import profile_generate
+from tandem.bench.decode_oracle import oracle_fields, oracle_mode, parse_rates, record_rows
+from tandem.bench.decode_runs import DecodeRows, mtbench_prompts
 from tandem.bench.results import result_path, write_json
-from tandem.bench.spec import acceptance
-from tandem.bench.timing import timed_generate
 
 MODE_NAMES = {
     "plain": {"overlap": False, "mtp": False},
@@ -46,75 +52,44 @@ def mode_name(mode: dict) -> str:
     return "overlap" if mode["overlap"] else "plain"
 
 
-def _prompts(llm: Any, batch_size: int) -> list[dict]:
-    """``batch_size`` token-id prompts: the MT-Bench first turns in order, cycled past 80.
+@dataclass
+class EngineSpec:
+    """How each mode's engine is built (beside its mode)."""
 
-    Dummy models borrow a tokenizer whose ids can exceed their vocabulary; those ids are
-    folded into it (the weights are random, so only the shape of the work matters).
-    """
-    questions = load_mtbench()
-    vocab = getattr(getattr(llm.engine, "arch", None), "vocab_size", None)
-    prompts = []
-    for i in range(batch_size):
-        turn = questions[i % len(questions)]["turns"][0]
-        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": turn}])
-        if vocab and llm.model_path.startswith("dummy:"):
-            ids = [t % vocab for t in ids]
-        prompts.append({"prompt_token_ids": ids})
-    return prompts
+    model: str | None
+    device: str
+    dtype: str | None
+    max_num_seqs: int
+    num_speculative_tokens: int
+    speculative_model: str | None
+    kv_cache_memory_gb: float | None
 
+    def build(self, mode: dict) -> Any:
+        """One engine for ``mode`` (the oracle's gets no recordings yet)."""
+        from tandem import LLM
 
-def _profiled_generate(llm: Any, prompts: list[dict], params: Any, device: str) -> dict:
-    """Run the prompts once more under the CUDA profiler; returns the GPU idle numbers."""
-    profiled = profile_generate(llm, prompts, params, device, top=0)
-    result: dict = {
-        "profile_wall_s": profiled["wall_s"],
-        "profile_device_events": profiled["device_ops"],
-        "profiler_activity_counts": profiled["activity_counts"],
-    }
-    if "note" in profiled:
-        return {
-            **result,
-            "gpu_idle_fraction": None,
-            "profile_window_s": None,
-            "profiler_note": profiled["note"],
-        }
-    return {
-        **result,
-        "gpu_idle_fraction": 1.0 - profiled["busy_fraction"],
-        "profile_window_s": profiled["window_us"] / 1e6,
-        "profile_busy_s": profiled["busy_us"] / 1e6,
-    }
-
-
-def _build_llm(
-    model,
-    mode: dict,
-    device: str,
-    dtype: str | None,
-    max_num_seqs: int,
-    k: int,
-    speculative_model: str | None,
-    kv_cache_memory_gb: float | None,
-) -> Any:
-    """One engine for ``mode``."""
-    from tandem import LLM
-
-    extra: dict = {}
-    if mode["mtp"]:
-        extra.update(
-            speculative="mtp", num_speculative_tokens=k, speculative_model=speculative_model
+        extra: dict = {}
+        k = self.num_speculative_tokens
+        if mode.get("oracle") is not None:
+            extra.update(
+                speculative="oracle", num_speculative_tokens=k, oracle_corruption=mode["oracle"]
+            )
+        elif mode["mtp"]:
+            extra.update(
+                speculative="mtp",
+                num_speculative_tokens=k,
+                speculative_model=self.speculative_model,
+            )
+        if self.kv_cache_memory_gb is not None:
+            extra["kv_cache_memory_gb"] = self.kv_cache_memory_gb
+        return LLM(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            max_num_seqs=self.max_num_seqs,
+            overlap=mode["overlap"],
+            **extra,
         )
-    if kv_cache_memory_gb is not None:
-        extra["kv_cache_memory_gb"] = kv_cache_memory_gb
-    return LLM(
-        model=model,
-        device=device,
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        overlap=mode["overlap"],
-        **extra,
-    )
 
 
 def _release_memory(device: str) -> None:
@@ -127,15 +102,37 @@ def _release_memory(device: str) -> None:
 
 
 def _print_run(run: dict) -> None:
+    """One line per run: its mode, batch size and kind, tok/s, GPU idle and acceptance."""
     idle = run["gpu_idle_fraction"]
+    kind = run.get("kind", "fixed")
+    if kind == "questions":
+        kind = f"{run['num_questions']} questions one by one"
+    elif kind == "steady":
+        kind = f"steady, {run['num_requests']} ShareGPT requests"
+    mode = run["mode"]
+    if run.get("proposer") == "oracle":
+        mode += f" oracle {run['oracle_corruption']:.2f}"
     line = (
-        f"{run['mode']:>11} batch {run['batch_size']:>4}: {run['tokens_per_s']:9.1f} tok/s "
+        f"{mode:>11} batch {run['batch_size']:>4} ({kind}): "
+        f"{run['tokens_per_s']:9.1f} tok/s "
         f"({run['output_tokens']} tokens in {run['seconds']:.3f} s), GPU idle "
         + ("n/a" if idle is None else f"{idle:.1%}")
     )
-    if "mean_acceptance_length" in run:
-        line += f", mean acceptance length {run['mean_acceptance_length']}"
+    if run.get("mean_acceptance_length") is not None:
+        line += f", mean acceptance length {run['mean_acceptance_length']:.3f}"
+    if run.get("expected_acceptance_length") is not None:
+        line += f" (expected {run['expected_acceptance_length']:.3f}"
+        line += f", recording match {run.get('recording_match', 0.0):.1%})"
     print(line, flush=True)
+
+
+def _record(run: dict, results: dict, path: str | None) -> None:
+    """Add ``run`` to the results, print its line and write the JSON so far (a run cut
+    short still leaves the numbers of the rows before)."""
+    results["runs"].append(run)
+    _print_run(run)
+    if path:
+        write_json(results, path)
 
 
 def run_decode_bench(
@@ -149,12 +146,25 @@ def run_decode_bench(
     num_speculative_tokens: int = 3,
     speculative_model: str | None = None,
     kv_cache_memory_gb: float | None = None,
+    num_questions: int = 16,
+    profile_questions: int = 4,
+    steady_state_requests: int = 0,
+    steady_max_tokens: int = 256,
+    oracle_corruptions: list[float] | None = None,
 ) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
     One engine per mode (``max_num_seqs = max(batch_sizes)``), warmed up once at the largest
-    batch size; each batch size is one ``generate`` of that many MT-Bench prompts (greedy,
-    ``ignore_eos``, ``max_tokens`` each).
+    batch size. Batch size 1 runs ``num_questions`` MT-Bench first turns one after the other
+    (``kind: questions``; 0: one ``fixed`` run of the first question); every other batch
+    size is one ``generate`` of that many first turns (``kind: fixed``); all greedy,
+    ``ignore_eos``, ``max_tokens`` each. With ``steady_state_requests`` > 0 each engine
+    then runs that many ShareGPT requests at once (``kind: steady``, at the largest batch
+    size; output lengths from the dataset, capped at ``steady_max_tokens``). On CUDA the
+    questions row profiles its first ``profile_questions`` (0: all). Each rate of
+    ``oracle_corruptions`` adds an ``mtp+overlap`` engine whose oracle proposer replays
+    plain decoding's outputs (recorded on the first mode without MTP, else on an engine
+    built for it) with that share of its drafts corrupted.
     Returns ``{"config": ..., "runs": [...]}`` and writes it as
     ``decode-<device>-<stamp>.json`` under ``out_dir`` when one is given.
     """
@@ -164,8 +174,29 @@ def run_decode_bench(
 
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch sizes must be positive, got {batch_sizes}")
-    on_cuda = device.startswith("cuda")
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for name, value in (
+        ("num_questions", num_questions),
+        ("profile_questions", profile_questions),
+        ("steady_state_requests", steady_state_requests),
+    ):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    rates = list(oracle_corruptions or [])
+    if any(not 0.0 <= rate <= 1.0 for rate in rates):
+        raise ValueError(f"oracle corruption rates must be in [0, 1], got {rates}")
+    k = num_speculative_tokens
+    rows = DecodeRows(
+        batch_sizes,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        device,
+        num_questions,
+        profile_questions,
+        steady_state_requests,
+        steady_max_tokens,
+    )
+    engines = EngineSpec(
+        model, device, dtype, max(batch_sizes), k, speculative_model, kv_cache_memory_gb
+    )
     warmup = SamplingParams(temperature=0.0, max_tokens=_WARMUP_TOKENS, ignore_eos=True)
     config = {
         "model": model,
@@ -174,61 +205,53 @@ def run_decode_bench(
         "batch_sizes": batch_sizes,
         "max_tokens": max_tokens,
         "modes": [mode_name(m) for m in modes],
-        "num_speculative_tokens": num_speculative_tokens,
+        "num_speculative_tokens": k,
         "speculative_model": speculative_model,
         "kv_cache_memory_gb": kv_cache_memory_gb,
+        "num_questions": num_questions if 1 in batch_sizes else 0,
+        "profile_questions": profile_questions,
+        "steady_state_requests": steady_state_requests,
+        "steady_max_tokens": steady_max_tokens,
+        "steady_batch_size": max(batch_sizes) if steady_state_requests else None,
+        "oracle_corruptions": rates,
         "torch_version": torch.__version__,
     }
-    if on_cuda and torch.cuda.is_available():
+    if device.startswith("cuda") and torch.cuda.is_available():
         config["gpu"] = torch.cuda.get_device_name(torch.device(device))
     results: dict = {"config": config, "runs": []}
     path = None
     if out_dir:
         path = result_path(out_dir, f"decode-{device.split(':')[0]}")
-    for mode in modes:
-        llm = _build_llm(
-            model,
-            mode,
-            device,
-            dtype,
-            max(batch_sizes),
-            num_speculative_tokens,
-            speculative_model,
-            kv_cache_memory_gb,
-        )
+    recordings = None  # plain decoding's outputs, for the oracle's engines
+    for mode in modes + [oracle_mode(rate) for rate in rates]:
+        oracle = mode.get("oracle") is not None
+        if oracle and recordings is None:  # no mode without MTP recorded them
+            llm = engines.build(MODE_NAMES["overlap"])
+            rows.sample_steady(llm)
+            recordings = record_rows(llm, "overlap", rows, k, results["config"])
+            del llm
+            _release_memory(device)
+        llm = engines.build(mode)
+        if oracle:
+            llm.engine.runner.proposer.set_recordings(recordings)
         # At the largest batch: its chunked prefill mixes prefill and decode rows, whose
         # kernel variants would otherwise compile inside the first timed run.
-        llm.generate(_prompts(llm, max(batch_sizes)), warmup, use_tqdm=False)
-        for batch_size in batch_sizes:
-            prompts = _prompts(llm, batch_size)
-            before = llm.get_metrics()
-            seconds, tokens = timed_generate(llm, prompts, params)
-            after = llm.get_metrics()
-            run: dict = {
-                "mode": mode_name(mode),
-                "batch_size": batch_size,
-                "max_tokens": max_tokens,
-                "output_tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "num_steps": after.get("num_steps", 0) - before.get("num_steps", 0),
-                "num_preemptions": (
-                    after.get("num_preemptions", 0) - before.get("num_preemptions", 0)
-                ),
-            }
-            if mode["mtp"]:
-                run.update(acceptance(before, after, num_speculative_tokens))
-            if on_cuda:
-                run.update(_profiled_generate(llm, prompts, params, device))
-            else:
-                run["gpu_idle_fraction"] = None
-            results["runs"].append(run)
-            _print_run(run)
-            if path:  # after every run, so a run cut short still leaves its numbers
-                write_json(results, path)
+        llm.generate(mtbench_prompts(llm, max(batch_sizes)), warmup, use_tqdm=False)
+        rows.sample_steady(llm)
+        proposer = llm.engine.runner.proposer if oracle else None
+        unrecorded = proposer.num_unrecorded_requests if oracle else 0
+        for made in rows.runs(llm, k if mode["mtp"] else None, recordings if oracle else None):
+            run = {"mode": mode_name(mode), **oracle_fields(mode, k), **made}
+            if proposer is not None:  # requests that found no recording (should be none)
+                run["oracle_unrecorded_requests"] = proposer.num_unrecorded_requests - unrecorded
+                unrecorded = proposer.num_unrecorded_requests
+            _record(run, results, path)
+        if rates and recordings is None and not mode["mtp"]:
+            recordings = record_rows(llm, mode_name(mode), rows, k, results["config"])
         del llm
         _release_memory(device)
     if path:
+        write_json(results, path)
         results["output_path"] = path
         print(f"wrote {path}")
     return results
@@ -252,6 +275,39 @@ def add_cli_arguments(parser) -> None:
         default=None,
         help="KV cache size (default: the engine's); too small preempts",
     )
+    parser.add_argument(
+        "--questions",
+        type=int,
+        default=16,
+        help="batch size 1 decodes this many MT-Bench first turns one after the other "
+        "(0: the first one only, as the other batch sizes)",
+    )
+    parser.add_argument(
+        "--profile-questions",
+        type=int,
+        default=4,
+        help="on CUDA, the first this many of those run again under the profiler (0: all)",
+    )
+    parser.add_argument(
+        "--steady-state-requests",
+        type=int,
+        default=0,
+        help="then this many ShareGPT requests at once at the largest batch size "
+        "(many more than it, e.g. 8x; 0: no steady-state run)",
+    )
+    parser.add_argument(
+        "--steady-max-tokens",
+        type=int,
+        default=256,
+        help="cap on the steady-state requests' output lengths (the dataset's otherwise)",
+    )
+    parser.add_argument(
+        "--oracle-corruption",
+        default=None,
+        metavar="RATES",
+        help="benchmark only: after the modes, mtp+overlap with drafts replayed from plain "
+        "decoding's recorded outputs, this share of them corrupted (comma-separated rates)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
@@ -270,5 +326,10 @@ def main_from_args(args) -> int:
         args.num_speculative_tokens,
         args.speculative_model,
         args.kv_cache_memory_gb,
+        num_questions=args.questions,
+        profile_questions=args.profile_questions,
+        steady_state_requests=args.steady_state_requests,
+        steady_max_tokens=args.steady_max_tokens,
+        oracle_corruptions=parse_rates(args.oracle_corruption),
     )
     return 0

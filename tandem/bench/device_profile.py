@@ -119,9 +119,15 @@ def kernel_totals(prof: Any, top: int = 30) -> list[dict]:
 
 
 def profile_generate(
-    llm: Any, prompts: list[dict], params: Any, device: str, top: int = 30
+    llm: Any,
+    prompts: list[dict],
+    params: Any,
+    device: str,
+    top: int = 30,
+    batch_size: int | None = None,
 ) -> dict:
-    """``llm.generate`` once under the CUDA profiler. Always: ``wall_s``, ``device_ops``
+    """``llm.generate`` under the CUDA profiler: once, or once per wave of ``batch_size``
+    prompts, one after the other. Always: ``wall_s``, ``device_ops``
     (kernels, memcpys, memsets) and ``activity_counts``; when device ops were recorded, their
     window ``window_us``, ``busy_fraction`` and ``busy_us`` of it and the ``top`` ops by total
     time; otherwise a ``note`` saying why not."""
@@ -130,7 +136,9 @@ def profile_generate(
     sync_device(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        step = batch_size or max(len(prompts), 1)
+        for i in range(0, max(len(prompts), 1), step):
+            llm.generate(prompts[i : i + step], params, use_tqdm=False)
         sync_device(device)
         wall = time.perf_counter() - start
     try:

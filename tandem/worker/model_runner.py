@@ -28,6 +28,7 @@ from tandem.models.tensor_parallel import (
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
 from tandem.worker.input_batch import StepInputs
 from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
+from tandem.worker.spec_decode.oracle_proposer import OracleProposer
 from tandem.worker.spec_decode.proposer import MTPProposer
 
 
@@ -95,7 +96,7 @@ class ModelRunner:
         # This rank's shapes (its KV heads alone with tensor parallelism): the cache's.
         self.arch = self.model.arch
         self.kv_caches: list[torch.Tensor] = []
-        self.proposer: MTPProposer | None = None
+        self.proposer: MTPProposer | OracleProposer | None = None
         self.graphs: CudaGraphRunner | None = None
         self.scratch_block = 0
         max_tokens = config.scheduler.max_num_batched_tokens
@@ -129,8 +130,16 @@ class ModelRunner:
             self.proposer = MTPProposer(
                 self.mtp_head, self.model, mtp_caches, self.backend, self.block_size, self.device
             )
+        elif self.config.speculative.method == "oracle":  # benchmarks only
+            self.proposer = OracleProposer(
+                k,
+                self.config.speculative.oracle_corruption,
+                self.arch.vocab_size,
+                max_model_len,
+                self.device,
+            )
         if self.uses_cuda_graphs:
-            query_lens = [1, 1 + k] if self.mtp_head is not None else [1]
+            query_lens = [1, 1 + k] if self.proposer is not None else [1]
             self.graphs = CudaGraphRunner(
                 self.model,
                 self.kv_caches,
@@ -143,7 +152,7 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
-            if self.proposer is not None and k > 1:
+            if self.mtp_head is not None and k > 1:
                 self.proposer.graphs = DraftGraphRunner(
                     self.proposer, k, max_model_len, self.config.scheduler.max_num_seqs, num_blocks
                 )

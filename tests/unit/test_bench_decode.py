@@ -1,5 +1,6 @@
 """``tandem bench decode``: the busy-fraction arithmetic, the mode parsing, the profiler
-event filter, and a small CPU run on the ``tiny`` dummy model."""
+event filter, the aggregation of the questions and steady-state rows, and a small CPU run on
+the ``tiny`` dummy model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch.profiler
 from torch.autograd import DeviceType
 
-from tandem.bench import decode
+from tandem.bench import decode_runs
+from tandem.bench.datasets import BenchRequest
 from tandem.bench.decode import mode_name, parse_modes, run_decode_bench
 from tandem.bench.device_profile import busy_fraction, device_intervals, kernel_totals
 from tandem.cli import build_parser
@@ -141,14 +143,14 @@ def test_profiled_generate_idle_fraction(monkeypatch):
     ]
     monkeypatch.setattr(torch.profiler, "profile", lambda activities: _FakeProfile(events))
     llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm: [])
-    result = decode._profiled_generate(llm, [], None, "cpu")
+    result = decode_runs.profiled_generate(llm, [], None, "cpu")
     assert result["gpu_idle_fraction"] == pytest.approx(0.2)
     assert result["profile_window_s"] == pytest.approx(1e-5)
     assert result["profile_device_events"] == 3 and result["profile_wall_s"] >= 0
     assert "profiler_note" not in result
 
     monkeypatch.setattr(torch.profiler, "profile", lambda activities: _FakeProfile([]))
-    result = decode._profiled_generate(llm, [], None, "cpu")
+    result = decode_runs.profiled_generate(llm, [], None, "cpu")
     assert result["gpu_idle_fraction"] is None and "no CUDA" in result["profiler_note"]
 
 
@@ -157,6 +159,7 @@ def test_cli_registers_bench_decode():
         ["bench", "decode", "--model", "dummy:tiny", "--modes", "plain,mtp+overlap"]
     )
     assert args.batch_sizes == "1,8,64" and args.max_tokens == 256
+    assert args.questions == 16 and args.steady_state_requests == 0
     assert args.handler.__module__ == "tandem.bench.decode"
 
 
@@ -170,21 +173,137 @@ def test_run_decode_bench_on_cpu(tmp_path, capsys, monkeypatch):
         staticmethod(lambda path: loaded.get(path) or loaded.setdefault(path, load(path))),
     )
     results = run_decode_bench(
-        "dummy:tiny", [1, 2], 4, parse_modes("plain,overlap"), "cpu", None, str(tmp_path)
+        "dummy:tiny",
+        [1, 2],
+        4,
+        parse_modes("plain,overlap"),
+        "cpu",
+        None,
+        str(tmp_path),
+        num_questions=3,
+        steady_state_requests=5,
+        steady_max_tokens=8,
     )
     runs = results["runs"]
-    assert [(r["mode"], r["batch_size"]) for r in runs] == [
-        ("plain", 1),
-        ("plain", 2),
-        ("overlap", 1),
-        ("overlap", 2),
+    assert [(r["mode"], r["kind"], r["batch_size"]) for r in runs] == [
+        ("plain", "questions", 1),
+        ("plain", "fixed", 2),
+        ("plain", "steady", 2),
+        ("overlap", "questions", 1),
+        ("overlap", "fixed", 2),
+        ("overlap", "steady", 2),
     ]
     for run in runs:
-        assert run["output_tokens"] == run["batch_size"] * 4
         assert run["tokens_per_s"] > 0
         assert run["gpu_idle_fraction"] is None
-        assert run["max_tokens"] == 4
+        if run["kind"] == "questions":
+            assert run["output_tokens"] == 3 * 4 and len(run["per_question"]) == 3
+        elif run["kind"] == "fixed":
+            assert run["output_tokens"] == run["batch_size"] * 4 and run["max_tokens"] == 4
+        else:  # every request ran to its own length (EOS ignored)
+            assert run["num_requests"] == 5 and run["max_tokens"] == 8
+            assert run["output_tokens"] == run["requested_output_tokens"] <= 5 * 8
     with open(results["output_path"]) as f:
         assert json.load(f)["runs"] == runs
     assert results["output_path"].startswith(str(tmp_path / "decode-cpu-"))
-    assert len([line for line in capsys.readouterr().out.splitlines() if "tok/s" in line]) == 4
+    assert len([line for line in capsys.readouterr().out.splitlines() if "tok/s" in line]) == 6
+
+
+class _CountingLLM:
+    """A stand-in engine for the rows' bookkeeping: each generate of one prompt takes the
+    next scripted (seconds, tokens, drafts, accepted) and advances the engine counters."""
+
+    def __init__(self, script, max_model_len=2048):
+        self.script = list(script)
+        self.counters = {
+            "num_steps": 0,
+            "num_preemptions": 0,
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_accepted_tokens": 0,
+            "spec_decode_num_accepted_tokens_per_pos": [0, 0, 0],
+        }
+        self.model_path = "model.gguf"
+        self.engine = SimpleNamespace(
+            arch=SimpleNamespace(vocab_size=1000), max_model_len=max_model_len
+        )
+        self.tokenizer = SimpleNamespace(
+            apply_chat_template=lambda messages: [1, 2] + [7] * len(messages[0]["content"])
+        )
+        self.calls = []
+
+    def get_metrics(self):
+        return {
+            **self.counters,
+            "spec_decode_num_accepted_tokens_per_pos": list(
+                self.counters["spec_decode_num_accepted_tokens_per_pos"]
+            ),
+        }
+
+    def timed_generate(self, llm, prompts, params, batch_size=None):
+        assert llm is self
+        self.calls.append((prompts, params))
+        seconds, tokens, drafts, accepted = self.script.pop(0)
+        self.counters["num_steps"] += drafts
+        self.counters["spec_decode_num_drafts"] += drafts
+        self.counters["spec_decode_num_accepted_tokens"] += accepted
+        self.counters["spec_decode_num_accepted_tokens_per_pos"][0] += min(accepted, drafts)
+        return seconds, tokens
+
+
+def test_questions_row_sums_tokens_and_seconds_and_lists_each_acceptance(monkeypatch):
+    # Three questions of unequal speed: tok/s is the sum of tokens over the sum of seconds
+    # (not the mean of the per-question rates), acceptance one per question and overall.
+    llm = _CountingLLM([(1.0, 100, 50, 50), (0.5, 100, 25, 75), (2.5, 60, 60, 0)])
+    monkeypatch.setattr(decode_runs, "timed_generate", llm.timed_generate)
+    params = SimpleNamespace(max_tokens=100)
+    run = decode_runs.questions_run(llm, 3, params, 3, "cpu")
+    assert run["kind"] == "questions" and run["batch_size"] == 1
+    assert run["output_tokens"] == 260 and run["seconds"] == pytest.approx(4.0)
+    assert run["tokens_per_s"] == pytest.approx(260 / 4.0)
+    assert run["acceptance_length_per_question"] == [2.0, 4.0, 1.0]
+    assert run["mean_acceptance_length"] == pytest.approx(1 + 125 / 135)
+    assert run["num_drafts"] == 135 and run["num_steps"] == 135
+    assert [q["question_id"] for q in run["per_question"]] == [81, 82, 83]
+    # Each question was its own generate of one prompt, and the prompts all differ.
+    assert [len(prompts) for prompts, _ in llm.calls] == [1, 1, 1]
+    assert len({tuple(p[0]["prompt_token_ids"]) for p, _ in llm.calls}) == 3
+
+
+def test_questions_row_without_speculation_has_no_acceptance(monkeypatch):
+    llm = _CountingLLM([(1.0, 10, 0, 0), (1.0, 10, 0, 0)])
+    monkeypatch.setattr(decode_runs, "timed_generate", llm.timed_generate)
+    run = decode_runs.questions_run(llm, 2, SimpleNamespace(max_tokens=10), None, "cpu")
+    assert "mean_acceptance_length" not in run and "acceptance_length_per_question" not in run
+    assert run["tokens_per_s"] == pytest.approx(10.0) and len(run["per_question"]) == 2
+
+
+def test_steady_rows_submit_every_request_at_once_with_its_dataset_length(monkeypatch):
+    # The dataset's output lengths (capped at max_tokens by the loader) become each
+    # request's max_tokens, and what the context leaves after the prompt caps them too.
+    sampled = [
+        BenchRequest("a" * 10, 10, 40),
+        BenchRequest("b" * 20, 20, 7),
+        BenchRequest("c" * 90, 90, 64),
+    ]
+    seen = {}
+
+    def fake_load(num_requests, tokenizer, **options):
+        seen.update(options, num_requests=num_requests)
+        return sampled
+
+    monkeypatch.setattr(decode_runs, "load_sharegpt", fake_load)
+    llm = _CountingLLM([(2.0, 100, 40, 60)], max_model_len=130)
+    requests = decode_runs.steady_requests(llm, 3, max_tokens=64)
+    assert seen["num_requests"] == 3 and seen["max_output_len"] == 64
+    assert [len(r.prompt) for r in requests] == [12, 22, 92]
+    # 130 - 92 - 8 (the margin) = 30 for the longest prompt.
+    assert [r.output_len for r in requests] == [40, 7, 30]
+    monkeypatch.setattr(decode_runs, "timed_generate", llm.timed_generate)
+    run = decode_runs.steady_run(llm, requests, 2, 3, 64)
+    ((prompts, params),) = llm.calls
+    assert len(prompts) == 3 and [p.max_tokens for p in params] == [40, 7, 30]
+    assert all(p.ignore_eos and p.temperature == 0.0 for p in params)
+    assert run["kind"] == "steady" and run["num_requests"] == 3 and run["batch_size"] == 2
+    assert run["requested_output_tokens"] == 77 and run["max_tokens"] == 64
+    assert run["tokens_per_s"] == pytest.approx(50.0)
+    assert run["mean_acceptance_length"] == pytest.approx(2.5)

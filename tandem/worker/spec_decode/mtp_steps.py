@@ -31,6 +31,9 @@ class MTPSteps:
         self.slots = batch.slots
         self.default_generator = default_generator
         self.device = runner.device
+        bind_batch = getattr(runner.proposer, "bind_batch", None)
+        if bind_batch is not None:  # a proposer that reads the requests' states (the oracle)
+            bind_batch(batch)
         # Whole resolved steps as CUDA graphs (greedy rows without logprobs).
         self.step_graphs: ResolvedStepGraphs | None = None
         if runner.uses_cuda_graphs:

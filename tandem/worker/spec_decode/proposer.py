@@ -205,6 +205,7 @@ class MTPProposer:
         block_tables: torch.Tensor,
         host_block_tables: list[list[int]],
         num_drafts: int,
+        slot_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy drafts ``[rows, num_drafts]`` after a uniform verification step, all on
         the device: depth 0 runs at fixed shape over every verified row (``positions``,
@@ -212,7 +213,8 @@ class MTPProposer:
         token after each position, i.e. the step's candidates), so rows past a request's
         ``accepted`` count write MTP KV that the next step overwrites, exactly as the
         target's rejected rows do; the accepted row's output is gathered and the later
-        depths chain from it (a CUDA graph when one fits)."""
+        depths chain from it (a CUDA graph when one fits). ``slot_ids`` (the rows' device
+        slots) are for proposers that need them (the benchmarks' oracle); unused here."""
         rows = accepted.shape[0]
         query_len = positions.shape[0] // rows
         layer_index = self.head.layer_for_depth(0)

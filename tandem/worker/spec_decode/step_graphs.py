@@ -94,14 +94,28 @@ class ResolvedStepGraphs:
         bonus = per_row.gather(1, accepted[:, None]).squeeze(1)
         slots.next_start.index_copy_(0, slot_ids, start + accepted + 1)
         slots.last_token.index_copy_(0, slot_ids, bonus)
-        drafts = self._draft(hidden, candidates, positions, metadata, accepted, tables)
+        drafts = self._draft(hidden, candidates, positions, metadata, accepted, tables, slot_ids)
         slots.drafts.index_copy_(0, slot_ids, drafts)
         return candidates, accepted + 1
 
-    def _draft(self, hidden, candidates, positions, metadata, accepted, tables) -> torch.Tensor:
+    def _draft(
+        self, hidden, candidates, positions, metadata, accepted, tables, slot_ids
+    ) -> torch.Tensor:
         """The MTP head's drafts after the verification (``propose_uniform``'s steps, with
         the later depths chained inline: a graph cannot replay another inside it)."""
         proposer = self.runner.proposer
+        if getattr(proposer, "uniform_in_graph", False):  # no head (the benchmarks' oracle)
+            return proposer.propose_uniform(
+                hidden,
+                candidates,
+                positions,
+                metadata,
+                accepted,
+                tables,
+                [],
+                self.num_drafts,
+                slot_ids,
+            )
         size, q = accepted.shape[0], self.query_len
         layer_index = proposer.head.layer_for_depth(0)
         layer = proposer.head.layers[layer_index]

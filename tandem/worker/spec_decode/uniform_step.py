@@ -93,7 +93,7 @@ def launch_uniform_step(
     slots.next_start.index_copy_(0, slot_ids, start + accepted + 1)
     slots.last_token.index_copy_(0, slot_ids, bonus)
     drafts = runner.proposer.propose_uniform(
-        hidden, sample.candidates, positions, metadata, accepted, tables, host_tables, k
+        hidden, sample.candidates, positions, metadata, accepted, tables, host_tables, k, slot_ids
     )
     slots.drafts.index_copy_(0, slot_ids, drafts)
     return sample, sampling_rows

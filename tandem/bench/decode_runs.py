@@ -1,0 +1,306 @@
+"""The runs of ``tandem bench decode`` on one engine, each a row of its JSON (``kind``):
+
+- ``fixed``: one ``generate`` of ``batch_size`` MT-Bench first turns, ``max_tokens`` each.
+- ``questions``: batch 1 over N different MT-Bench first turns, one ``generate`` after the
+  other, so the acceptance length is many questions' and not one's.
+- ``steady``: many more ShareGPT requests than ``max_num_seqs``, all submitted at once, each
+  asking for its own reference completion's length: finished rows are replaced at once, so
+  the batch stays full (no tail of a few long rows at low occupancy).
+
+Every request is greedy with EOS ignored. :mod:`tandem.bench.decode` puts them together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.bench.datasets import BenchRequest, load_mtbench, load_sharegpt
+from tandem.bench.device_profile import profile_generate
+from tandem.bench.spec import acceptance
+from tandem.bench.timing import timed_generate
+
+_CONTEXT_MARGIN = 8  # tokens kept free at the context's end (tokenization drift, drafts)
+
+
+def fold_ids(llm: Any, ids: list[int]) -> list[int]:
+    """Token ids for ``llm``: a dummy model borrows a tokenizer whose ids can exceed its
+    vocabulary; those are folded into it (random weights: only the work's shape matters)."""
+    vocab = getattr(getattr(llm.engine, "arch", None), "vocab_size", None)
+    if vocab and llm.model_path.startswith("dummy:"):
+        return [t % vocab for t in ids]
+    return ids
+
+
+def mtbench_prompts(llm: Any, count: int) -> list[dict]:
+    """``count`` token-id prompts: the MT-Bench first turns in order (chat template
+    applied), cycled past the 80 questions."""
+    questions = load_mtbench()
+    prompts = []
+    for i in range(count):
+        turn = questions[i % len(questions)]["turns"][0]
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": turn}])
+        prompts.append({"prompt_token_ids": fold_ids(llm, ids)})
+    return prompts
+
+
+def profiled_generate(
+    llm: Any, prompts: list[dict], params: Any, device: str, batch_size: int | None = None
+) -> dict:
+    """Run the prompts once more under the CUDA profiler (in waves of ``batch_size``, one
+    ``generate`` each); returns the GPU idle numbers."""
+    profiled = profile_generate(llm, prompts, params, device, top=0, batch_size=batch_size)
+    result: dict = {
+        "profile_wall_s": profiled["wall_s"],
+        "profile_device_events": profiled["device_ops"],
+        "profiler_activity_counts": profiled["activity_counts"],
+    }
+    if "note" in profiled:
+        return {
+            **result,
+            "gpu_idle_fraction": None,
+            "profile_window_s": None,
+            "profiler_note": profiled["note"],
+        }
+    return {
+        **result,
+        "gpu_idle_fraction": 1.0 - profiled["busy_fraction"],
+        "profile_window_s": profiled["window_us"] / 1e6,
+        "profile_busy_s": profiled["busy_us"] / 1e6,
+    }
+
+
+def _timed(llm: Any, prompts: list[dict], params: Any, recordings: dict | None, tally: list):
+    """``timed_generate``; with ``recordings`` (prompt ids -> a plain run's tokens) it also
+    adds to ``tally`` [tokens in the prefix each output shares with its recording, all
+    output tokens]: below 1, the engine's greedy output left the recorded one."""
+    if recordings is None:
+        return timed_generate(llm, prompts, params)
+    outputs: list = []
+    seconds, tokens = timed_generate(llm, prompts, params, outputs=outputs)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        got = output.outputs[0].token_ids
+        want = recordings.get(tuple(prompt["prompt_token_ids"]), [])
+        shared = min(len(got), len(want))
+        tally[0] += next((i for i in range(shared) if got[i] != want[i]), shared)
+        tally[1] += len(got)
+    return seconds, tokens
+
+
+def _match_field(tally: list) -> dict:
+    """The recordings' agreement with a run's outputs (nothing when none was checked)."""
+    return {"recording_match": tally[0] / tally[1]} if tally[1] else {}
+
+
+def _counter_delta(before: dict, after: dict, name: str) -> int:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
+    """The acceptance numbers between two metric snapshots (none without speculation)."""
+    return acceptance(before, after, k) if k else {}
+
+
+def fixed_run(
+    llm: Any,
+    batch_size: int,
+    params: Any,
+    k: int | None,
+    device: str,
+    recordings: dict | None = None,
+) -> dict:
+    """One ``generate`` of ``batch_size`` MT-Bench prompts (``kind: fixed``); ``k`` is the
+    number of drafts when the engine speculates (None: it does not); with ``recordings``
+    the outputs are checked against them (``recording_match``)."""
+    prompts = mtbench_prompts(llm, batch_size)
+    tally = [0, 0]
+    before = llm.get_metrics()
+    seconds, tokens = _timed(llm, prompts, params, recordings, tally)
+    after = llm.get_metrics()
+    run: dict = {
+        "kind": "fixed",
+        "batch_size": batch_size,
+        "max_tokens": params.max_tokens,
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "num_steps": _counter_delta(before, after, "num_steps"),
+        "num_preemptions": _counter_delta(before, after, "num_preemptions"),
+        **_spec_fields(before, after, k),
+        **_match_field(tally),
+    }
+    if device.startswith("cuda"):
+        run.update(profiled_generate(llm, prompts, params, device))
+    else:
+        run["gpu_idle_fraction"] = None
+    return run
+
+
+def questions_run(
+    llm: Any,
+    num_questions: int,
+    params: Any,
+    k: int | None,
+    device: str,
+    profile_questions: int = 0,
+    recordings: dict | None = None,
+) -> dict:
+    """Batch 1 over the first ``num_questions`` MT-Bench first turns, one ``generate``
+    each (``kind: questions``): tokens/s is all their tokens over all their seconds, the
+    mean acceptance length is over all their drafts, and each question's is listed. On
+    CUDA the first ``profile_questions`` (0: all) run again, one by one, under the profiler
+    for the GPU idle fraction."""
+    if num_questions < 1:
+        raise ValueError(f"num_questions must be >= 1, got {num_questions}")
+    questions = load_mtbench()
+    prompts = mtbench_prompts(llm, num_questions)
+    first = llm.get_metrics()
+    per_question = []
+    tally = [0, 0]
+    for index, prompt in enumerate(prompts):
+        before = llm.get_metrics()
+        seconds, tokens = _timed(llm, [prompt], params, recordings, tally)
+        entry = {
+            "question_id": questions[index % len(questions)].get("question_id"),
+            "output_tokens": tokens,
+            "seconds": seconds,
+        }
+        if k:
+            entry["mean_acceptance_length"] = acceptance(before, llm.get_metrics(), k)[
+                "mean_acceptance_length"
+            ]
+        per_question.append(entry)
+    last = llm.get_metrics()
+    tokens = sum(entry["output_tokens"] for entry in per_question)
+    seconds = sum(entry["seconds"] for entry in per_question)
+    run: dict = {
+        "kind": "questions",
+        "batch_size": 1,
+        "max_tokens": params.max_tokens,
+        "num_questions": num_questions,
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "num_steps": _counter_delta(first, last, "num_steps"),
+        "num_preemptions": _counter_delta(first, last, "num_preemptions"),
+        **_spec_fields(first, last, k),
+        **_match_field(tally),
+        "per_question": per_question,
+    }
+    if k:
+        run["acceptance_length_per_question"] = [e["mean_acceptance_length"] for e in per_question]
+    if device.startswith("cuda"):
+        profiled = num_questions if profile_questions < 1 else min(profile_questions, num_questions)
+        run["profiled_questions"] = profiled
+        run["profile_scope"] = (
+            f"the {profiled} questions' sequence run again under the profiler"
+            if profiled == num_questions
+            else f"the first {profiled} of the {num_questions} questions, run again one by one"
+        )
+        run.update(profiled_generate(llm, prompts[:profiled], params, device, batch_size=1))
+    else:
+        run["gpu_idle_fraction"] = None
+    return run
+
+
+def steady_requests(
+    llm: Any, num_requests: int, max_tokens: int, max_prompt_len: int = 1024, seed: int = 0
+) -> list[BenchRequest]:
+    """``num_requests`` ShareGPT requests for ``llm``: each a conversation's first human turn
+    (chat template applied, token ids) asking for its reference completion's length,
+    capped at ``max_tokens`` and at what the context leaves after the prompt."""
+    context = llm.engine.max_model_len
+    overhead = len(llm.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]))
+    max_prompt_len = min(max_prompt_len, context // 2)
+    reqs = load_sharegpt(
+        num_requests,
+        llm.tokenizer,
+        seed=seed,
+        max_prompt_len=max_prompt_len,
+        max_total_len=context - overhead - _CONTEXT_MARGIN,
+        max_output_len=max_tokens,
+    )
+    requests = []
+    for req in reqs:
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": req.prompt}])
+        output_len = min(req.output_len, context - len(ids) - _CONTEXT_MARGIN)
+        requests.append(BenchRequest(fold_ids(llm, ids), len(ids), output_len))
+    return requests
+
+
+def steady_run(
+    llm: Any,
+    requests: list[BenchRequest],
+    batch_size: int,
+    k: int | None,
+    max_tokens: int,
+    recordings: dict | None = None,
+) -> dict:
+    """Every request submitted at once to ``llm`` (whose ``max_num_seqs`` is
+    ``batch_size``), each with its own output length as ``max_tokens`` (``kind: steady``;
+    ``max_tokens`` is the cap the lengths were held to, reported)."""
+    from tandem import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in requests
+    ]
+    tally = [0, 0]
+    before = llm.get_metrics()
+    seconds, tokens = _timed(llm, prompts, params, recordings, tally)
+    after = llm.get_metrics()
+    num_steps = _counter_delta(before, after, "num_steps")
+    return {
+        "kind": "steady",
+        "batch_size": batch_size,
+        "num_requests": len(requests),
+        "dataset": "sharegpt",
+        "max_tokens": max_tokens,
+        "longest_output_tokens": max(r.output_len for r in requests),
+        "requested_output_tokens": sum(r.output_len for r in requests),
+        "mean_prompt_tokens": sum(r.prompt_len for r in requests) / len(requests),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "num_steps": num_steps,
+        "output_tokens_per_step": tokens / num_steps if num_steps else None,
+        "num_preemptions": _counter_delta(before, after, "num_preemptions"),
+        **_spec_fields(before, after, k),
+        **_match_field(tally),
+        "gpu_idle_fraction": None,  # not profiled
+    }
+
+
+@dataclass
+class DecodeRows:
+    """The rows every engine runs (see the module docstring)."""
+
+    batch_sizes: list[int]
+    params: Any  # SamplingParams of the fixed and questions rows
+    device: str
+    num_questions: int
+    profile_questions: int
+    steady_state_requests: int
+    steady_max_tokens: int
+    steady: list[BenchRequest] | None = None  # sampled with the first engine, then kept
+
+    def sample_steady(self, llm: Any) -> None:
+        """The steady rows' ShareGPT requests, sampled once for every mode."""
+        if self.steady_state_requests and self.steady is None:
+            self.steady = steady_requests(llm, self.steady_state_requests, self.steady_max_tokens)
+
+    def runs(self, llm: Any, k: int | None, recordings: dict | None = None) -> Iterator[dict]:
+        """The rows of one engine, as they finish (``k``: its drafts, None without)."""
+        params, device = self.params, self.device
+        for batch_size in self.batch_sizes:
+            if batch_size == 1 and self.num_questions > 0:
+                yield questions_run(
+                    llm, self.num_questions, params, k, device, self.profile_questions, recordings
+                )
+            else:
+                yield fixed_run(llm, batch_size, params, k, device, recordings)
+        if self.steady:
+            yield steady_run(
+                llm, self.steady, max(self.batch_sizes), k, self.steady_max_tokens, recordings
+            )

@@ -1,0 +1,175 @@
+"""Benchmark only: a proposer that drafts the target's own recorded greedy continuation, each
+draft corrupted at a set rate, so speculative decoding's speed can be measured at a known
+acceptance length on a model without a trained MTP head (``speculative="oracle"``).
+
+The benchmark first decodes its prompts without speculation and hands the outputs over
+(``set_recordings``, keyed by the prompt's token ids). When a request first drafts, its
+recording is written into a device table row of the request's slot, indexed by absolute
+position. A request whose last known token sits at position p drafts the table's tokens at
+p+1..p+k; draft j is replaced by another token when a hash of (its position, j) falls under
+the corruption rate. A draft is accepted only if every draft before it is, so with rate r
+the expected acceptance length is 1 + sum over j = 1..k of (1 - r)^j (the target following
+its recording). Past the recording (and without one) the table holds token 0, drafted
+(and corrupted) like any other.
+
+Drafting after a resolved step (``propose_uniform``) is a gather and a few integer ops on
+static tensors: a resolved step's CUDA graph records it as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.device_copy import to_device
+from tandem.sampling_params import SamplingParams
+from tandem.worker.input_batch import InputBatch
+from tandem.worker.spec_decode.proposer import Proposal, ProposalRow
+
+_HASH_BITS = 24
+_MASK32 = 0xFFFFFFFF
+
+
+def corruption_hash(positions: torch.Tensor, draft_index: torch.Tensor) -> torch.Tensor:
+    """A deterministic hash in [0, 2^24) of each (position, draft index) pair (int64
+    tensors that broadcast). Every product stays below 2^63: no overflow on any device."""
+    x = (positions * 0x27D4EB2F + (draft_index + 1) * 0x165667B1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & _MASK32
+    x = x ^ (x >> 15)
+    return x & ((1 << _HASH_BITS) - 1)
+
+
+def expected_acceptance_length(corruption: float, num_drafts: int) -> float:
+    """1 + the expected number of leading drafts that are not corrupted."""
+    kept = 1.0 - corruption
+    return 1.0 + sum(kept**j for j in range(1, num_drafts + 1))
+
+
+class OracleProposer:
+    """Drafts recorded continuations with a set corruption rate (see the module docstring)."""
+
+    resolves_on_device = True
+    # Its ``propose_uniform`` is plain tensor work: a resolved step's graph records it.
+    uniform_in_graph = True
+    head = None  # no MTP head, no head KV cache, no draft graphs
+    graphs = None
+
+    def __init__(
+        self,
+        num_drafts: int,
+        corruption: float,
+        vocab_size: int,
+        max_model_len: int,
+        device: torch.device,
+    ):
+        if not 0.0 <= corruption <= 1.0:
+            raise ValueError(f"oracle_corruption must be in [0, 1], got {corruption}")
+        self.num_drafts, self.corruption = num_drafts, corruption
+        self.vocab_size, self.device = vocab_size, device
+        self.kv_caches: list[torch.Tensor] = []
+        # Hashes under this are corrupted: 0 never, 2^24 always.
+        self.threshold = round(corruption * (1 << _HASH_BITS))
+        # Positions up to a resolved row's furthest draft (clamped there beyond).
+        self.width = max_model_len + 2 * num_drafts + 2
+        self.draft_index = torch.arange(num_drafts, device=device)
+        self.table = torch.zeros((1, self.width), dtype=torch.long, device=device)
+        self.recordings: dict[tuple[int, ...], list[int]] = {}
+        self.batch: InputBatch | None = None
+        self.owners: dict[int, str] = {}  # slot -> the request whose recording its row holds
+        self.num_recorded_requests = 0  # requests that drafted from a recording
+        self.num_unrecorded_requests = 0  # and those that found none (drafting token 0)
+
+    def set_recordings(self, recordings: dict[tuple[int, ...], list[int]]) -> None:
+        """The greedy outputs to replay: prompt token ids -> the tokens that follow them."""
+        self.recordings = {tuple(prompt): list(tokens) for prompt, tokens in recordings.items()}
+        self.owners.clear()
+
+    def bind_batch(self, batch: InputBatch) -> None:
+        """The pipeline's request states (prompts, slots); the table gets a row per slot."""
+        self.batch = batch
+        self._grow(batch.slots.capacity)
+
+    def _grow(self, rows: int) -> None:
+        """A row for every slot (slots grew: step graphs on the old table are stale too)."""
+        if rows > self.table.shape[0]:
+            grown = torch.zeros((rows, self.width), dtype=torch.long, device=self.device)
+            grown[: self.table.shape[0]] = self.table
+            self.table = grown
+
+    def _write_row(self, request_id: str) -> int:
+        """The request's slot, its row holding the request's recording (written the first
+        time the request drafts in that slot)."""
+        state = self.batch.states[request_id]
+        slot = state.slot
+        if self.owners.get(slot) == request_id:
+            return slot
+        self._grow(self.batch.slots.capacity)
+        self.table[slot].zero_()
+        prompt_len = state.num_prompt_tokens
+        recording = self.recordings.get(tuple(state.token_ids[:prompt_len]))
+        if recording is None:
+            self.num_unrecorded_requests += 1
+        else:
+            self.num_recorded_requests += 1
+            tokens = recording[: self.width - prompt_len]
+            if tokens:
+                self.table[slot, prompt_len : prompt_len + len(tokens)] = to_device(
+                    tokens, torch.long, self.device
+                )
+        self.owners[slot] = request_id
+        return slot
+
+    def drafts(self, slot_ids: torch.Tensor, last_positions: torch.Tensor) -> torch.Tensor:
+        """``[rows, k]`` drafts of requests in ``slot_ids`` whose last known tokens sit at
+        ``last_positions``: the recorded tokens after them, corrupted by the hash."""
+        positions = last_positions[:, None] + 1 + self.draft_index
+        index = slot_ids[:, None] * self.width + positions.clamp(max=self.width - 1)
+        tokens = self.table.view(-1).index_select(0, index.reshape(-1)).view(index.shape)
+        corrupted = corruption_hash(positions, self.draft_index) < self.threshold
+        return torch.where(corrupted, (tokens + 1) % self.vocab_size, tokens)
+
+    def propose(
+        self,
+        rows: list[ProposalRow],
+        target_hidden: torch.Tensor,
+        sampling: dict[str, tuple[SamplingParams, torch.Generator | None]],
+        default_generator: torch.Generator | None,
+    ) -> Proposal:
+        """Drafts after a step the host has read (``MTPProposer.propose``'s contract): a
+        drafting row's newest token sits one past its last kept position. The drafts carry
+        no distribution, so sampled requests verify them as one-hot."""
+        proposal = Proposal({}, {})
+        drafting = [r for r in rows if r.positions and r.num_drafts > 0]
+        if not drafting:
+            return proposal
+        slot_ids = [self._write_row(r.request_id) for r in drafting]
+        drafts = self.drafts(
+            to_device(slot_ids, torch.long, self.device),
+            to_device([r.positions[-1] + 1 for r in drafting], torch.long, self.device),
+        )
+        for index, row in enumerate(drafting):
+            proposal.draft_token_ids[row.request_id] = drafts[index, : row.num_drafts]
+        return proposal
+
+    def propose_uniform(
+        self,
+        target_hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        metadata,
+        accepted: torch.Tensor,
+        block_tables: torch.Tensor,
+        host_block_tables: list[list[int]],
+        num_drafts: int,
+        slot_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Drafts ``[rows, num_drafts]`` after a uniform verification step, on the device
+        alone: row b's new last token sits at its first position + ``accepted[b]`` + 1;
+        ``slot_ids`` name the rows' table rows (required here)."""
+        if slot_ids is None:
+            raise ValueError("the oracle proposer needs the rows' slot_ids")
+        rows = accepted.shape[0]
+        first = positions.view(rows, positions.shape[0] // rows)[:, 0]
+        return self.drafts(slot_ids, first + accepted + 1)[:, :num_drafts]
