@@ -12,8 +12,6 @@ import sys
 import tempfile
 import time
 
-import httpx
-import openai
 import pytest
 from server_helpers import API_KEY, STARTUP_TIMEOUT_S
 
@@ -34,6 +32,8 @@ def offline(llm_cache) -> LLM:
 @pytest.fixture(scope="module")
 def server(request) -> str:
     """Start ``tandem serve --api-key`` once; yields its base URL (without /v1)."""
+    import httpx  # here, not at the top: GPU hosts run other e2e tests without it
+
     port = free_port()
     log_dir = tempfile.TemporaryDirectory(prefix="tandem-server-")
     log_path = os.path.join(log_dir.name, "server.log")
@@ -84,5 +84,7 @@ def server(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
+def client(server) -> openai.OpenAI:  # noqa: F821
+    import openai  # here, not at the top: GPU hosts run other e2e tests without it
+
     return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
