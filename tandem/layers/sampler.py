@@ -1,7 +1,9 @@
-"""Token sampling (greedy, temperature, top-k, top-p, min-p, per-request seeds) and logprobs.
+"""Token sampling (greedy, temperature, top-k, top-p, min-p) and logprobs.
 
-Logprobs are always the raw ``log_softmax`` of the model's logits, before any temperature
-or filtering, as vLLM returns them by default.
+Every random number comes from :mod:`tandem.layers.keyed_random`: a row's draw is a function
+of its request's seed, the position of the token it draws and the draw's kind, so a request
+samples the same tokens alone or in any batch. Logprobs are always the raw ``log_softmax`` of
+the model's logits, before any temperature or filtering, as vLLM returns them by default.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.device_copy import to_device
+from tandem.layers.keyed_random import TOKEN, keyed_exponential
 from tandem.layers.sampling_kernels import filter_threshold
 
 
@@ -24,8 +26,8 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # [N] long, vocab size where disabled; None if unused
     top_p: torch.Tensor | None  # [N] fp32; None if unused
     min_p: torch.Tensor | None  # [N] fp32; None if unused
-    # Per row: its own generator (seeded request) or None (the engine's generator).
-    generators: list[torch.Generator | None]
+    # [N] long: each row's 63-bit key seed (keyed_random); None where nothing is drawn.
+    seeds: torch.Tensor | None
     all_greedy: bool
 
 
@@ -54,37 +56,30 @@ def apply_filters(
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def sample(
-    logits: torch.Tensor, batch: SamplingBatch, default_generator: torch.Generator | None
-) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
     """One token per row: argmax on greedy rows, an exact draw from the filtered
-    distribution elsewhere."""
+    distribution elsewhere, keyed by the row's seed and ``positions`` [N] (long, on the
+    device: the position of the token each row draws)."""
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
-    sampled = draw(apply_filters(logits, batch), batch.generators, default_generator)
+    sampled = draw(apply_filters(logits, batch), batch.seeds, positions, TOKEN)
     return torch.where(batch.greedy, greedy_tokens, sampled)
 
 
 def draw(
-    probs: torch.Tensor,
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None,
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, kind: int
 ) -> torch.Tensor:
-    """One exact draw per row (exponential race): each seeded row consumes only its own
-    generator, so it gets the same token alone or in any batch."""
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        noise.exponential_(generator=default_generator)
-    elif unseeded:
-        noise[to_device(unseeded, torch.long, probs.device)] = torch.empty(
-            (len(unseeded), probs.shape[1]), device=probs.device
-        ).exponential_(generator=default_generator)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
-    # Zero noise happens: never let it lift a zero-probability token.
+    """One exact draw per row of (not necessarily normalized) distributions ``probs`` [R, V]
+    by an exponential race whose noise is keyed by (seeds[r], positions[r], ``kind``): the
+    same row draws the same token alone or in any batch."""
+    return race(probs, keyed_exponential(seeds, positions, kind, probs.shape[1]))
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per row the index maximizing probs / noise (an exact draw for exponential noise)."""
+    # Zero noise cannot come from keyed_exponential, but never let it lift a zero-probability
+    # token anyway.
     return torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
 
 

@@ -5,17 +5,24 @@ The statistical tests use a synthetic "model" over a vocab of 8 whose target dis
 at output position j does not depend on earlier tokens, so every emitted token j (over the
 trials that reach it) must be distributed as p_j. Each is checked by a chi-square
 goodness-of-fit test at significance 0.001 with a fixed seed; negative controls show that the
-same check rejects a verifier without the residual correction."""
+same check rejects a verifier without the residual correction.
+
+The verifier's random numbers are keyed (``tandem.layers.keyed_random``): every trial is a
+request with its own key (seed and first draft position), as requests are in the engine."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from tandem.layers import sampler
+from tandem.layers.keyed_random import ACCEPT, TOKEN, keyed_uniform, request_seed
+from tandem.layers.sampler import draw
 from tandem.worker.spec_decode import verification
-from tandem.worker.spec_decode.verification import exact_draw, greedy_verify, rejection_verify
+from tandem.worker.spec_decode.verification import greedy_verify, rejection_verify
 
 V = 8
 TRIALS = 20_000
@@ -31,15 +38,26 @@ def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int
     return target_tokens[: int(accepted) + 1]
 
 
-def rejection_accept(p, q, drafts: list[int], generator) -> list[int]:
-    """The tokens :func:`rejection_verify` emits for one request, as a host list."""
-    accepted, candidates = rejection_verify(p, q, torch.tensor(drafts, dtype=torch.long), generator)
+def rejection_accept(p, q, drafts: list[int], key: tuple[int, int]) -> list[int]:
+    """The tokens :func:`rejection_verify` emits for one request keyed (seed, first draft
+    position), as a host list."""
+    drafts_tensor = torch.tensor(drafts, dtype=torch.long)
+    accepted, candidates = rejection_verify(p, q, drafts_tensor, *key)
     return candidates[: int(accepted) + 1].tolist()
 
 
-def sample_from(probs: torch.Tensor, generator) -> int:
-    """One :func:`exact_draw` from a single distribution."""
-    return int(exact_draw(probs[None], generator)[0])
+def _key_tensors(seed: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor([seed]), torch.tensor([position])
+
+
+def sample_from(probs: torch.Tensor, seed: int, position: int) -> int:
+    """One keyed :func:`draw` (TOKEN noise of (seed, position)) from a single distribution."""
+    return int(draw(probs[None], *_key_tensors(seed, position), TOKEN)[0])
+
+
+def uniform_at(seed: int, position: int) -> float:
+    """The keyed acceptance uniform of (seed, position)."""
+    return float(keyed_uniform(*_key_tensors(seed, position), ACCEPT, 1)[0, 0])
 
 
 def dist(values: list[float]) -> torch.Tensor:
@@ -67,11 +85,13 @@ Q = torch.stack(
     ]
 )
 
-Verifier = Callable[[torch.Tensor, torch.Tensor, list[int], torch.Generator], list[int]]
+Verifier = Callable[[torch.Tensor, torch.Tensor, list[int], tuple[int, int]], list[int]]
 
 
 def run_trials(verify: Verifier, p: torch.Tensor, q: torch.Tensor, trials: int, seed: int = 0):
-    """Each trial draws d_i ~ q_i independently and verifies them; returns the emitted lists."""
+    """Each trial draws d_i ~ q_i independently and verifies them as a request of its own
+    key (seed ``seed * trials + trial``, its first draft at position 100 + trial % 7);
+    returns the emitted lists."""
     k = q.shape[0]
     generator = torch.Generator().manual_seed(seed)
     drafts = (
@@ -85,7 +105,9 @@ def run_trials(verify: Verifier, p: torch.Tensor, q: torch.Tensor, trials: int, 
         if k
         else [[] for _ in range(trials)]
     )
-    return [verify(p, q, d, generator) for d in drafts]
+    return [
+        verify(p, q, d, (seed * trials + trial, 100 + trial % 7)) for trial, d in enumerate(drafts)
+    ]
 
 
 def position_counts(emitted: list[list[int]], j: int) -> torch.Tensor:
@@ -162,22 +184,24 @@ def test_invariant_rejection_sampling_no_drafts_samples_from_p():
     check_all_positions(emitted, P[:1], 0)
 
 
-def _always_accept(p, q, drafts, generator):
+def _always_accept(p, q, drafts, key):
     """Broken: emits the raw drafts and the bonus, never rejecting."""
-    return [*drafts, sample_from(p[len(drafts)], generator)]
+    seed, first = key
+    return [*drafts, sample_from(p[len(drafts)], seed, first + len(drafts))]
 
 
-def _replacement_from_p(p, q, drafts, generator):
+def _replacement_from_p(p, q, drafts, key):
     """Broken: the right acceptance test, but the replacement is drawn from p instead of
     normalize(max(p - q, 0))."""
+    seed, first = key
     emitted = []
     for i, draft in enumerate(drafts):
-        if torch.rand((), generator=generator) * q[i, draft] <= p[i, draft]:
+        if uniform_at(seed, first + i) * q[i, draft] <= p[i, draft]:
             emitted.append(draft)
             continue
-        emitted.append(sample_from(p[i], generator))
+        emitted.append(sample_from(p[i], seed, first + i))
         return emitted
-    emitted.append(sample_from(p[len(drafts)], generator))
+    emitted.append(sample_from(p[len(drafts)], seed, first + len(drafts)))
     return emitted
 
 
@@ -235,37 +259,40 @@ def test_residual_fallback_when_target_never_exceeds_draft():
 
 
 def test_zero_probability_draft_rejected_even_when_uniform_is_zero(monkeypatch):
-    """torch.rand can return exactly 0.0 (probability 2**-24 per float32 draw). A draft
-    whose target probability is 0 (e.g. filtered by top-k/top-p, or a banned end token)
-    must still be rejected: with ``u * q <= p`` it is accepted when u == 0."""
-    monkeypatch.setattr(verification.torch, "rand", lambda *args, **kwargs: torch.tensor(0.0))
+    """Keyed uniforms lie in the open interval (0, 1), but the acceptance test must not
+    rely on it: a draft whose target probability is 0 (e.g. filtered by top-k/top-p, or a
+    banned end token) must still be rejected with u == 0 (``u * q <= p`` accepts it)."""
+    monkeypatch.setattr(
+        verification, "keyed_uniform", lambda seeds, *args: torch.zeros((len(seeds), 1))
+    )
     p = P[[0, 3]]
     q = Q[:1]  # q0[6] = 0.3 while p0[6] = 0
-    emitted = rejection_accept(p, q, [6], torch.Generator().manual_seed(0))
+    emitted = rejection_accept(p, q, [6], (0, 10))
     assert p[0, emitted[0]] > 0, f"emitted token 6, which has target probability 0: {emitted}"
 
 
 def test_sample_from_never_picks_zero_probability_token_on_zero_noise(monkeypatch):
-    """CPU ``exponential_`` can return exactly 0 (pytorch/pytorch#22557, about 2**-53 per
-    element); probs / noise is then 0 / 0 = NaN, which argmax picks. A zero-probability
-    token must never be drawn."""
-    original = torch.Tensor.exponential_
+    """Keyed exponentials are never 0, but the race must not rely on it: with zero noise
+    probs / noise is 0 / 0 = NaN for a zero-probability token, which argmax picks. A
+    zero-probability token must never be drawn."""
+    original = sampler.keyed_exponential
 
-    def zero_first(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self[0] = 0.0
-        return self
+    def zero_first(*args):
+        noise = original(*args)
+        noise[:, 0] = 0.0
+        return noise
 
-    monkeypatch.setattr(torch.Tensor, "exponential_", zero_first)
+    monkeypatch.setattr(sampler, "keyed_exponential", zero_first)
     probs = torch.tensor([0.0, 0.5, 0.5, 0.0])
-    assert sample_from(probs, torch.Generator().manual_seed(0)) in (1, 2)
+    assert sample_from(probs, 0, 0) in (1, 2)
 
 
 def test_sample_from_matches_distribution():
+    """Keyed draws over one request's positions (one seed, 8,000 positions)."""
     probs = torch.tensor([0.0, 1.0, 2.0, 0.0, 4.0, 1.0, 0.0, 0.0])  # unnormalized
-    generator = torch.Generator().manual_seed(1)
-    tokens = [sample_from(probs, generator) for _ in range(8_000)]
-    counts = torch.bincount(torch.tensor(tokens), minlength=V)
+    positions = torch.arange(8_000)
+    tokens = draw(probs.expand(8_000, -1), torch.ones_like(positions), positions, TOKEN)
+    counts = torch.bincount(tokens, minlength=V)
     fits, why = goodness_of_fit(counts, probs / probs.sum())
     assert fits, why
 
@@ -307,9 +334,15 @@ def _random_requests(generator, num_drafts: list[int], vocab: int):
     return p_rows, q_rows, drafts_rows
 
 
+def _randoms(seeds: list[int], first_positions: list[int], num_drafts: list[int], vocab: int):
+    return verification.rejection_randoms(
+        torch.tensor(seeds), torch.tensor(first_positions), num_drafts, vocab
+    )
+
+
 def test_batch_equals_rejection_verify_row_by_row():
-    """Seeded requests of different k (0 to 3, one with q == p) in one batch: each gets
-    exactly rejection_verify's count and candidates for its own seed."""
+    """Requests of different k (0 to 3, one with q == p) at different positions in one
+    batch: each gets exactly rejection_verify's count and candidates for its own key."""
     num_drafts, vocab = [3, 1, 2, 0, 3, 2], 50
     generator = torch.Generator().manual_seed(0)
     outcomes = set()
@@ -317,20 +350,15 @@ def test_batch_equals_rejection_verify_row_by_row():
         p_rows, q_rows, drafts_rows = _random_requests(generator, num_drafts, vocab)
         q_rows[5] = p_rows[5][:2].clone()  # always accepted; an empty residual
         seeds = [1000 * trial + i for i in range(len(num_drafts))]
-        uniforms, noise = verification.rejection_randoms(
-            num_drafts,
-            vocab,
-            [torch.Generator().manual_seed(s) for s in seeds],
-            None,
-            torch.device("cpu"),
-        )
+        first_positions = [17 * i + trial for i in range(len(num_drafts))]
+        uniforms, noise = _randoms(seeds, first_positions, num_drafts, vocab)
         accepted, candidates = verification.rejection_verify_batch(
             *_flat(p_rows, q_rows, drafts_rows), num_drafts, uniforms, noise
         )
         starts = verification.row_starts(num_drafts)
         for i, k in enumerate(num_drafts):
             ref_accepted, ref_candidates = rejection_verify(
-                p_rows[i], q_rows[i], drafts_rows[i], torch.Generator().manual_seed(seeds[i])
+                p_rows[i], q_rows[i], drafts_rows[i], seeds[i], first_positions[i]
             )
             assert int(accepted[i]) == int(ref_accepted), (trial, i)
             assert torch.equal(candidates[starts[i] : starts[i + 1]], ref_candidates), (trial, i)
@@ -340,18 +368,16 @@ def test_batch_equals_rejection_verify_row_by_row():
 
 
 def test_seeded_request_same_tokens_alone_and_in_a_batch():
-    """A seeded request's randoms come from its generator alone, wherever it sits in the
-    batch and whoever shares the batch (seeded or not)."""
+    """A request's randoms depend on its own key alone, wherever it sits in the batch and
+    whoever shares the batch (other seeds, other positions, other draft counts)."""
     vocab = 40
     generator = torch.Generator().manual_seed(3)
     p_rows, q_rows, drafts_rows = _random_requests(generator, [2, 3, 1, 3], vocab)
 
     def run(order, seeds):
         num_drafts = [len(drafts_rows[i]) for i in order]
-        generators = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-        randoms = verification.rejection_randoms(
-            num_drafts, vocab, generators, torch.Generator().manual_seed(99), torch.device("cpu")
-        )
+        first_positions = [40 + 3 * i for i in order]
+        randoms = _randoms(seeds, first_positions, num_drafts, vocab)
         accepted, candidates = verification.rejection_verify_batch(
             *_flat(
                 [p_rows[i] for i in order],
@@ -368,9 +394,9 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch():
     for seed in range(10):
         alone = run([1], [seed])
         for order, seeds in (
-            ([0, 1, 2, 3], [None, seed, None, 7]),
-            ([3, 2, 1], [5, None, seed]),
-            ([1, 0], [seed, None]),
+            ([0, 1, 2, 3], [seed + 1, seed, 2**62 + seed, 7]),
+            ([3, 2, 1], [5, seed, seed]),
+            ([1, 0], [seed, seed]),
         ):
             accepted, candidates = run(order, seeds)
             assert accepted == alone[0] and torch.equal(candidates, alone[1]), (seed, order)
@@ -379,7 +405,8 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch():
 @pytest.mark.parametrize("k", [1, 3])
 def test_invariant_rejection_sampling_batched_keeps_target_distribution(k):
     """TRIALS requests in one batch (half with k drafts, half with 2, so rows are padded),
-    sharing one draw of the default generator: every emitted position follows p."""
+    each keyed by a seed drawn as the engine draws unseeded requests' seeds, all at one
+    position: every emitted position follows p."""
     generator = torch.Generator().manual_seed(20 + k)
     num_drafts = [k, 2] * (TRIALS // 2)
     p_of = {k: P[[*range(k), 3]], 2: P[[0, 1, 3]]}
@@ -398,9 +425,9 @@ def test_invariant_rejection_sampling_batched_keeps_target_distribution(k):
     tokens = torch.cat(
         [torch.cat([drafts[d][n // 2], torch.tensor([0])]) for n, d in enumerate(num_drafts)]
     )
-    uniforms, noise = verification.rejection_randoms(
-        num_drafts, V, [None] * len(num_drafts), generator, torch.device("cpu")
-    )
+    source = random.Random(k)
+    seeds = [request_seed(None, source) for _ in num_drafts]
+    uniforms, noise = _randoms(seeds, [300] * len(num_drafts), num_drafts, V)
     accepted, candidates = verification.rejection_verify_batch(
         target, draft, tokens, num_drafts, uniforms, noise
     )
