@@ -71,16 +71,48 @@ def draw(
     probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, kind: int
 ) -> torch.Tensor:
     """One exact draw per row of (not necessarily normalized) distributions ``probs`` [R, V]
-    by an exponential race whose noise is keyed by (seeds[r], positions[r], ``kind``): the
-    same row draws the same token alone or in any batch."""
-    return race(probs, keyed_exponential(seeds, positions, kind, probs.shape[1]))
+    by :func:`race`, its noise keyed by (seeds[r], positions[r], ``kind``): the same row
+    draws the same token alone or in any batch."""
+    width = race_width(probs.shape[1])
+    return race(probs, keyed_exponential(seeds, positions, kind, width))
+
+
+def race_width(vocab_size: int) -> int:
+    """The number of exponentials that :func:`race` takes per row over ``vocab_size``
+    tokens: one per block of tokens, then one per token of a block."""
+    block = _race_block(vocab_size)
+    return -(-vocab_size // block) + block
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Per row the index maximizing probs / noise (an exact draw for exponential noise)."""
-    # Zero noise cannot come from keyed_exponential, but never let it lift a zero-probability
-    # token anyway.
-    return torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
+    """One exact draw per row of ``probs`` [R, V] (not necessarily normalized) from
+    independent standard exponentials ``noise`` [R, race_width(V)], in two exponential
+    races: among the blocks of B consecutive tokens (B the power of two at or above
+    sqrt(V)) weighted by their mass (the first V / B columns of noise), then among the
+    chosen block's tokens (the next B columns). A token is drawn with probability
+    mass_b / total * p_i / mass_b = p_i / total (the masses summed in fp64), from about
+    2 sqrt(V) random numbers instead of V."""
+    rows, vocab = probs.shape
+    block = _race_block(vocab)
+    num_blocks = -(-vocab // block)
+    padded = torch.nn.functional.pad(probs, (0, num_blocks * block - vocab))
+    blocks = padded.view(rows, num_blocks, block)
+    chosen = _race_max(blocks.sum(dim=-1, dtype=torch.float64), noise[:, :num_blocks])
+    inside = blocks.gather(1, chosen.view(rows, 1, 1).expand(rows, 1, block)).squeeze(1)
+    return chosen * block + _race_max(inside, noise[:, num_blocks : num_blocks + block])
+
+
+def _race_block(vocab_size: int) -> int:
+    block = 1
+    while block * block < vocab_size:
+        block *= 2
+    return block
+
+
+def _race_max(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per row the index maximizing weights / noise (an exact draw for exponential noise)."""
+    # Zero noise cannot come from keyed_exponential, but never let it lift a zero weight.
+    return torch.where(weights > 0, weights / noise, -1.0).argmax(dim=-1)
 
 
 @dataclass

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.layers.keyed_random import draft_draw, keyed_exponential
-from tandem.layers.sampler import race
+from tandem.layers.sampler import race, race_width
 from tandem.layers.triton_attention import TritonAttentionBackend
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
@@ -145,7 +145,7 @@ def test_sampled_drafts_are_keyed_by_seed_position_and_depth():
                 torch.tensor([params.seed + i]),
                 torch.tensor([row.positions[-1] + 2 + depth]),
                 draft_draw(depth),
-                probs.shape[1],
+                race_width(probs.shape[1]),
             )
             assert int(drafts[depth]) == int(race(probs[depth][None], noise)[0]), (i, depth)
     # The same requests in another order (seeds follow the requests): the same drafts.

@@ -31,6 +31,7 @@ from tandem.layers.keyed_random import (
     keyed_uniform,
     request_seed,
 )
+from tandem.layers.sampler import draw
 from tandem.sampling_params import SamplingParams
 from tandem.worker.step_sampler import SamplingRow, sample_step
 
@@ -228,6 +229,25 @@ def test_independence_check_rejects_dependent_pairs():
     for second in ((first + 0.3 * noise) % 1, (first * 7 + noise / 4) % 1):
         independent, why = _independent(first, second)
         assert not independent, why
+
+
+@pytest.mark.parametrize("vocab", [8, 37, 300])
+def test_the_two_level_race_draws_from_p(vocab):
+    """``draw`` races blocks of tokens by mass, then the chosen block's tokens: over 40,000
+    keyed draws (one seed, consecutive positions) the tokens follow p, including a vocab that
+    is not a multiple of the block and a block (and more) with no mass at all."""
+    weights = (torch.arange(vocab) % 7 + 1).double()
+    weights[: vocab // 3] = 0  # whole blocks without mass
+    weights[-1] = 0
+    n = 40_000 if vocab < 300 else 200_000
+    positions = torch.arange(n)
+    tokens = draw(weights.float().expand(n, -1), torch.full((n,), 3), positions, TOKEN)
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    support = weights > 0
+    assert counts[~support].sum() == 0
+    expected = n * weights[support] / weights.sum()
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert stat < chi2_critical(int(support.sum()) - 1), stat
 
 
 # ---- sample_step ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 from tandem.device_copy import to_device
 from tandem.layers.keyed_random import ACCEPT, TOKEN, keyed_exponential, keyed_uniform
-from tandem.layers.sampler import race
+from tandem.layers.sampler import race, race_width
 
 
 def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def rejection_verify(
     # p == q numerically leaves no residual mass: any draw from p is then exact.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs[:k], residual)
-    noise = keyed_exponential(seeds, positions, TOKEN, target_probs.shape[1])
+    noise = keyed_exponential(seeds, positions, TOKEN, race_width(target_probs.shape[1]))
     draws = race(torch.cat([residual, target_probs[k:]]), noise)
     candidates = torch.where(offsets < accepted, torch.cat([draft_tokens, draws[k:]]), draws)
     return accepted, candidates
@@ -71,7 +71,7 @@ def rejection_randoms(
     """The random numbers of :func:`rejection_verify_batch` for R requests, keyed by each
     one's seed ``seeds`` [R] and the position of its first draft ``first_positions`` [R]
     (long, on the device): uniforms [R, max k] fp64 (row i uses its first k_i) and
-    exponential noise [sum(k_i + 1), V] (k_i + 1 rows per request). Each request gets
+    exponential noise [sum(k_i + 1), race_width(V)] (k_i + 1 rows per request). Each request gets
     exactly what :func:`rejection_verify` draws for it, alone or in any batch."""
     device = seeds.device
     max_drafts = max(num_drafts, default=0)
@@ -83,7 +83,7 @@ def rejection_randoms(
         seeds.index_select(0, owner),
         first_positions.index_select(0, owner) + offset,
         TOKEN,
-        vocab_size,
+        race_width(vocab_size),
     )
     steps = torch.arange(max_drafts, device=device)
     uniforms = keyed_uniform(
