@@ -3,32 +3,27 @@ must follow the target's distribution exactly whatever the drafts were (DESIGN i
 
 The statistical tests use a synthetic "model" over a vocab of 8 whose target distribution p_j
 at output position j does not depend on earlier tokens, so every emitted token j (over the
-trials that reach it) must be distributed as p_j. Each is checked by a chi-square
-goodness-of-fit test at significance 0.001 with a fixed seed; negative controls show that the
-same check rejects a verifier without the residual correction.
+trials that reach it) must be distributed as p_j (``rejection_stats.py``). Each is checked
+by a chi-square goodness-of-fit test at significance 0.001 with a fixed seed; negative
+controls show that the same check rejects a verifier without the residual correction. The
+batched verifier's tests are in ``test_rejection_batch.py``.
 
 The verifier's random numbers are keyed (``tandem.layers.keyed_random``): every trial is a
 request with its own key (seed and first draft position), as requests are in the engine."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 
 import pytest
 import torch
+from rejection_stats import TRIALS, P, Q, V, check_all_positions, goodness_of_fit, position_counts
 
 from tandem.layers import sampler
-from tandem.layers.keyed_random import ACCEPT, TOKEN, keyed_uniform, request_seed
+from tandem.layers.keyed_random import ACCEPT, TOKEN, keyed_uniform
 from tandem.layers.sampler import draw
 from tandem.worker.spec_decode import verification
 from tandem.worker.spec_decode.verification import greedy_verify, rejection_verify
-
-V = 8
-TRIALS = 20_000
-
-# Chi-square critical values at significance 0.001, by degrees of freedom (standard table).
-CHI2_CRITICAL_0001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
 
 def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int]:
@@ -60,31 +55,6 @@ def uniform_at(seed: int, position: int) -> float:
     return float(keyed_uniform(*_key_tensors(seed, position), ACCEPT, 1)[0, 0])
 
 
-def dist(values: list[float]) -> torch.Tensor:
-    t = torch.tensor(values, dtype=torch.float32)
-    assert t.shape == (V,) and abs(float(t.sum()) - 1.0) < 1e-6
-    return t
-
-
-# Target p_j per output position (k + 1 = 4 of them) and draft q_j per draft position.
-# q puts mass where p is 0 (q0[6], q1[4]) and p where q is 0 (p0[5], p1[1], p2[0..1]);
-# acceptance rates sum(min(p, q)) are 0.5, 0.6, 0.5.
-P = torch.stack(
-    [
-        dist([0.30, 0.20, 0.15, 0.10, 0.10, 0.15, 0.00, 0.00]),
-        dist([0.05, 0.05, 0.40, 0.20, 0.00, 0.10, 0.10, 0.10]),
-        dist([0.10, 0.10, 0.10, 0.30, 0.10, 0.10, 0.10, 0.10]),
-        dist([0.05, 0.15, 0.25, 0.00, 0.25, 0.15, 0.10, 0.05]),
-    ]
-)
-Q = torch.stack(
-    [
-        dist([0.10, 0.30, 0.05, 0.05, 0.20, 0.00, 0.30, 0.00]),
-        dist([0.20, 0.00, 0.20, 0.20, 0.25, 0.05, 0.05, 0.05]),
-        dist([0.00, 0.00, 0.05, 0.05, 0.10, 0.10, 0.30, 0.40]),
-    ]
-)
-
 Verifier = Callable[[torch.Tensor, torch.Tensor, list[int], tuple[int, int]], list[int]]
 
 
@@ -108,37 +78,6 @@ def run_trials(verify: Verifier, p: torch.Tensor, q: torch.Tensor, trials: int, 
     return [
         verify(p, q, d, (seed * trials + trial, 100 + trial % 7)) for trial, d in enumerate(drafts)
     ]
-
-
-def position_counts(emitted: list[list[int]], j: int) -> torch.Tensor:
-    tokens = [e[j] for e in emitted if len(e) > j]
-    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=V)
-
-
-def goodness_of_fit(counts: torch.Tensor, p: torch.Tensor) -> tuple[bool, str]:
-    """(fits, why) for observed ``counts`` against ``p`` at significance 0.001: categories
-    with p == 0 must never occur; the rest (expected counts >= 5) give the statistic, with
-    df = number of categories with p > 0, minus 1."""
-    n = int(counts.sum())
-    assert n > 0
-    impossible = [t for t in range(V) if p[t] == 0 and counts[t] > 0]
-    if impossible:
-        return False, f"tokens {impossible} with p = 0 were emitted ({counts.tolist()})"
-    support = [t for t in range(V) if p[t] > 0]
-    expected = {t: n * float(p[t]) for t in support}
-    # The distributions here keep every expected count >= 5; the check would be invalid
-    # otherwise (categories would have to be merged).
-    assert min(expected.values()) >= 5, f"too few samples ({n}) for a chi-square test"
-    stat = sum((float(counts[t]) - e) ** 2 / e for t, e in expected.items())
-    df = len(support) - 1
-    critical = CHI2_CRITICAL_0001[df]
-    return stat <= critical, f"chi2 = {stat:.2f} (df {df}, critical {critical}), n = {n}"
-
-
-def check_all_positions(emitted, p: torch.Tensor, k: int) -> None:
-    for j in range(k + 1):
-        fits, why = goodness_of_fit(position_counts(emitted, j), p[j])
-        assert fits, f"emitted token {j} is not distributed as p_{j}: {why}"
 
 
 # ---- greedy --------------------------------------------------------------------------------
@@ -290,148 +229,3 @@ def test_sample_from_matches_distribution():
     counts = torch.bincount(tokens, minlength=V)
     fits, why = goodness_of_fit(counts, probs / probs.sum())
     assert fits, why
-
-
-# ---- batched rejection sampling --------------------------------------------------------------
-
-
-def _flat(p_rows, q_rows, drafts_rows):
-    """The flat layout of rejection_verify_batch from per-request p [k + 1, V], q [k, V] and
-    drafts [k]; the bonus rows get junk q and a junk draft, which must be ignored."""
-    target = torch.cat(p_rows)
-    draft = torch.cat([torch.cat([q, torch.full((1, q.shape[1]), 0.5)]) for q in q_rows])
-    tokens = torch.cat([torch.cat([d, torch.tensor([1])]) for d in drafts_rows])
-    return target, draft, tokens
-
-
-def _random_requests(generator, num_drafts: list[int], vocab: int):
-    """Per request p [k + 1, V] and q [k, V] with zeros in both, and drafts drawn from q
-    (every other request's first draft has target probability 0)."""
-    p_rows, q_rows, drafts_rows = [], [], []
-    for index, k in enumerate(num_drafts):
-        p = torch.rand((k + 1, vocab), generator=generator) ** 3
-        p[p < 0.05] = 0.0
-        q = torch.rand((k, vocab), generator=generator) ** 3
-        q[q < 0.05] = 0.0
-        if k and index % 2:
-            p[0, 0], q[0, 0] = 0.0, 1.0
-        p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
-        drafts = (
-            torch.multinomial(q, 1, generator=generator).squeeze(1)
-            if k
-            else (torch.zeros(0, dtype=torch.long))
-        )
-        if k and index % 2:
-            drafts[0] = 0
-        p_rows.append(p)
-        q_rows.append(q)
-        drafts_rows.append(drafts)
-    return p_rows, q_rows, drafts_rows
-
-
-def _randoms(seeds: list[int], first_positions: list[int], num_drafts: list[int], vocab: int):
-    return verification.rejection_randoms(
-        torch.tensor(seeds), torch.tensor(first_positions), num_drafts, vocab
-    )
-
-
-def test_batch_equals_rejection_verify_row_by_row():
-    """Requests of different k (0 to 3, one with q == p) at different positions in one
-    batch: each gets exactly rejection_verify's count and candidates for its own key."""
-    num_drafts, vocab = [3, 1, 2, 0, 3, 2], 50
-    generator = torch.Generator().manual_seed(0)
-    outcomes = set()
-    for trial in range(25):
-        p_rows, q_rows, drafts_rows = _random_requests(generator, num_drafts, vocab)
-        q_rows[5] = p_rows[5][:2].clone()  # always accepted; an empty residual
-        seeds = [1000 * trial + i for i in range(len(num_drafts))]
-        first_positions = [17 * i + trial for i in range(len(num_drafts))]
-        uniforms, noise = _randoms(seeds, first_positions, num_drafts, vocab)
-        accepted, candidates = verification.rejection_verify_batch(
-            *_flat(p_rows, q_rows, drafts_rows), num_drafts, uniforms, noise
-        )
-        starts = verification.row_starts(num_drafts)
-        for i, k in enumerate(num_drafts):
-            ref_accepted, ref_candidates = rejection_verify(
-                p_rows[i], q_rows[i], drafts_rows[i], seeds[i], first_positions[i]
-            )
-            assert int(accepted[i]) == int(ref_accepted), (trial, i)
-            assert torch.equal(candidates[starts[i] : starts[i + 1]], ref_candidates), (trial, i)
-            outcomes.add((k, int(ref_accepted)))
-    # Every count from 0 to k occurred for the requests with 3 drafts.
-    assert {(3, a) for a in range(4)} <= outcomes
-
-
-def test_seeded_request_same_tokens_alone_and_in_a_batch():
-    """A request's randoms depend on its own key alone, wherever it sits in the batch and
-    whoever shares the batch (other seeds, other positions, other draft counts)."""
-    vocab = 40
-    generator = torch.Generator().manual_seed(3)
-    p_rows, q_rows, drafts_rows = _random_requests(generator, [2, 3, 1, 3], vocab)
-
-    def run(order, seeds):
-        num_drafts = [len(drafts_rows[i]) for i in order]
-        first_positions = [40 + 3 * i for i in order]
-        randoms = _randoms(seeds, first_positions, num_drafts, vocab)
-        accepted, candidates = verification.rejection_verify_batch(
-            *_flat(
-                [p_rows[i] for i in order],
-                [q_rows[i] for i in order],
-                [drafts_rows[i] for i in order],
-            ),
-            num_drafts,
-            *randoms,
-        )
-        starts = verification.row_starts(num_drafts)
-        position = order.index(1)
-        return int(accepted[position]), candidates[starts[position] : starts[position + 1]]
-
-    for seed in range(10):
-        alone = run([1], [seed])
-        for order, seeds in (
-            ([0, 1, 2, 3], [seed + 1, seed, 2**62 + seed, 7]),
-            ([3, 2, 1], [5, seed, seed]),
-            ([1, 0], [seed, seed]),
-        ):
-            accepted, candidates = run(order, seeds)
-            assert accepted == alone[0] and torch.equal(candidates, alone[1]), (seed, order)
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_invariant_rejection_sampling_batched_keeps_target_distribution(k):
-    """TRIALS requests in one batch (half with k drafts, half with 2, so rows are padded),
-    each keyed by a seed drawn as the engine draws unseeded requests' seeds, all at one
-    position: every emitted position follows p."""
-    generator = torch.Generator().manual_seed(20 + k)
-    num_drafts = [k, 2] * (TRIALS // 2)
-    p_of = {k: P[[*range(k), 3]], 2: P[[0, 1, 3]]}
-    drafts = {
-        d: torch.stack(
-            [
-                torch.multinomial(Q[i], TRIALS // 2, replacement=True, generator=generator)
-                for i in range(d)
-            ],
-            1,
-        )
-        for d in {k, 2}
-    }
-    target = torch.cat([p_of[d] for d in num_drafts])
-    draft = torch.cat([torch.cat([Q[:d], Q[:1]]) for d in num_drafts])
-    tokens = torch.cat(
-        [torch.cat([drafts[d][n // 2], torch.tensor([0])]) for n, d in enumerate(num_drafts)]
-    )
-    source = random.Random(k)
-    seeds = [request_seed(None, source) for _ in num_drafts]
-    uniforms, noise = _randoms(seeds, [300] * len(num_drafts), num_drafts, V)
-    accepted, candidates = verification.rejection_verify_batch(
-        target, draft, tokens, num_drafts, uniforms, noise
-    )
-    starts = verification.row_starts(num_drafts)
-    emitted = {d: [] for d in {k, 2}}
-    for n, d in enumerate(num_drafts):
-        emitted[d].append(candidates[starts[n] : starts[n] + int(accepted[n]) + 1].tolist())
-    for d, lists in emitted.items():
-        assert all(1 <= len(e) <= d + 1 for e in lists)
-        check_all_positions(lists, p_of[d], d)
-        rate = sum(len(e) > 1 for e in lists) / len(lists)
-        assert abs(rate - 0.5) < 5 * (0.25 / len(lists)) ** 0.5
