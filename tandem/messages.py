@@ -208,12 +208,13 @@ class Turn(Message):
 class Handoff:
     """What a decode instance needs beyond the KV to continue a request exactly as the
     prefill instance would: its MTP drafts (their distributions when sampled, fp32 bytes of
-    ``draft_probs_shape``) and its sampling generator's state."""
+    ``draft_probs_shape``) and the 63-bit key seed of its random numbers (drawn by the
+    prefill instance for an unseeded request)."""
 
     drafts: list[int] = field(default_factory=list)
     draft_probs: bytes | None = None
     draft_probs_shape: list[int] | None = None
-    generator_state: bytes | None = None
+    seed: int | None = None
 
 
 @dataclass(frozen=True)

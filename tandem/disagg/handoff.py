@@ -1,6 +1,7 @@
 """A request's worker state handed from a prefill instance to a decode instance: its MTP
-drafts (with their distributions when sampled) and its sampling generator's state, so that
-the decode instance continues the request exactly as the prefill instance would have."""
+drafts (with their distributions when sampled) and the key seed of its random numbers, so
+that the decode instance continues the request exactly as the prefill instance would have
+(every random number is keyed by seed and position: ``tandem.layers.keyed_random``)."""
 
 from __future__ import annotations
 
@@ -8,26 +9,25 @@ import numpy as np
 import torch
 
 from tandem.device_copy import to_device
+from tandem.layers.keyed_random import request_seed
 from tandem.messages import Handoff
 from tandem.worker.input_batch import RequestState
 from tandem.worker.step_pipeline import StepPipeline
 
 
 def export_handoff(pipeline: StepPipeline, request_id: str) -> Handoff:
-    """The request's drafts and generator state. Reads the device: call it once the step
-    that drafted them has been read."""
+    """The request's drafts and key seed. Reads the device: call it once the step that
+    drafted them has been read."""
     state = pipeline.batch.states.get(request_id)
     if state is None:
         raise RuntimeError(f"request {request_id!r} has no worker state to hand over")
     device_drafts = pipeline.batch.drafts_of(state)
     drafts = device_drafts.tolist() if device_drafts is not None else []
-    draft_probs = draft_probs_shape = generator_state = None
+    draft_probs = draft_probs_shape = None
     if state.draft_probs is not None:
         probs = state.draft_probs.float().cpu().contiguous()
         draft_probs, draft_probs_shape = probs.numpy().tobytes(), list(probs.shape)
-    if state.generator is not None:
-        generator_state = state.generator.get_state().numpy().tobytes()
-    return Handoff(drafts, draft_probs, draft_probs_shape, generator_state)
+    return Handoff(drafts, draft_probs, draft_probs_shape, state.seed)
 
 
 def insert_handoff(
@@ -41,21 +41,17 @@ def insert_handoff(
     """Start the worker state of a request whose prompt KV a prefill instance wrote: every
     prompt position is computed, the first output token is the last of ``token_ids``, and
     the next step verifies the handed-over drafts (copied without a wait: a step may be in
-    flight). ValueError if the handoff's arrays do not fit together."""
+    flight). The request keeps the prefill instance's key seed (its own ``seed``, or one
+    drawn here, when the handoff has none). ValueError if the handoff's arrays do not fit
+    together."""
     device = pipeline.device
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device)
-        if handoff.generator_state is not None:
-            data = np.frombuffer(handoff.generator_state, dtype=np.uint8).copy()
-            generator.set_state(torch.from_numpy(data))
-        else:
-            generator.manual_seed(seed)
+    own_seed = handoff.seed if handoff.seed is not None else seed
+    key_seed = request_seed(own_seed, pipeline.batch.seed_source)
     state = RequestState(
         list(token_ids),
         num_prompt_tokens,
         num_prompt_tokens,
-        generator,
+        key_seed,
         num_prompt_logprobs=num_prompt_tokens,
     )
     if handoff.drafts and pipeline.runner.proposer is not None:

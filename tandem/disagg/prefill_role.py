@@ -8,7 +8,7 @@ this side tells it ``KVTransferring`` (its timeout starts again from there) and,
 background thread, the connector writes the prompt's KV blocks (target and MTP layers) into
 the decode instance's ``dst_blocks``; only after the write has completed the decode instance
 gets ``KVReady`` with the first token, its logprobs, the prompt logprobs, the drafts and the
-sampling generator's state; or ``KVFailed`` with the reason. Either way the blocks are freed
+key seed of its random numbers; or ``KVFailed`` with the reason. Either way the blocks are freed
 here. A ``PrefillCancel`` that comes before the write starts ends the request here; one that
 comes later lets the write finish (the decode instance holds those blocks until it hears
 back, or for a second timeout).

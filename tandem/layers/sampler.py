@@ -1,7 +1,9 @@
-"""Token sampling (greedy, temperature, top-k, top-p, min-p, per-request seeds) and logprobs.
+"""Token sampling (greedy, temperature, top-k, top-p, min-p) and logprobs.
 
-Logprobs are always the raw ``log_softmax`` of the model's logits, before any temperature
-or filtering, as vLLM returns them by default.
+Every random number comes from :mod:`tandem.layers.keyed_random`: a row's draw is a function
+of its request's seed, the position of the token it draws and the draw's kind, so a request
+samples the same tokens alone or in any batch. Logprobs are always the raw ``log_softmax`` of
+the model's logits, before any temperature or filtering, as vLLM returns them by default.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.device_copy import to_device
+from tandem.layers.keyed_random import TOKEN, keyed_exponential
 from tandem.layers.sampling_kernels import filter_threshold
 
 
@@ -24,8 +26,8 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # [N] long, vocab size where disabled; None if unused
     top_p: torch.Tensor | None  # [N] fp32; None if unused
     min_p: torch.Tensor | None  # [N] fp32; None if unused
-    # Per row: its own generator (seeded request) or None (the engine's generator).
-    generators: list[torch.Generator | None]
+    # [N] long: each row's 63-bit key seed (keyed_random); None where nothing is drawn.
+    seeds: torch.Tensor | None
     all_greedy: bool
 
 
@@ -54,38 +56,63 @@ def apply_filters(
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def sample(
-    logits: torch.Tensor, batch: SamplingBatch, default_generator: torch.Generator | None
-) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
     """One token per row: argmax on greedy rows, an exact draw from the filtered
-    distribution elsewhere."""
+    distribution elsewhere, keyed by the row's seed and ``positions`` [N] (long, on the
+    device: the position of the token each row draws)."""
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
-    sampled = draw(apply_filters(logits, batch), batch.generators, default_generator)
+    sampled = draw(apply_filters(logits, batch), batch.seeds, positions, TOKEN)
     return torch.where(batch.greedy, greedy_tokens, sampled)
 
 
 def draw(
-    probs: torch.Tensor,
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None,
+    probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, kind: int
 ) -> torch.Tensor:
-    """One exact draw per row (exponential race): each seeded row consumes only its own
-    generator, so it gets the same token alone or in any batch."""
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        noise.exponential_(generator=default_generator)
-    elif unseeded:
-        noise[to_device(unseeded, torch.long, probs.device)] = torch.empty(
-            (len(unseeded), probs.shape[1]), device=probs.device
-        ).exponential_(generator=default_generator)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
-    # Zero noise happens: never let it lift a zero-probability token.
-    return torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
+    """One exact draw per row of (not necessarily normalized) distributions ``probs`` [R, V]
+    by :func:`race`, its noise keyed by (seeds[r], positions[r], ``kind``): the same row
+    draws the same token alone or in any batch."""
+    width = race_width(probs.shape[1])
+    return race(probs, keyed_exponential(seeds, positions, kind, width))
+
+
+def race_width(vocab_size: int) -> int:
+    """The number of exponentials that :func:`race` takes per row over ``vocab_size``
+    tokens: one per block of tokens, then one per token of a block."""
+    block = _race_block(vocab_size)
+    return -(-vocab_size // block) + block
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One exact draw per row of ``probs`` [R, V] (not necessarily normalized) from
+    independent standard exponentials ``noise`` [R, race_width(V)], in two exponential
+    races: among the blocks of B consecutive tokens (B the power of two at or above
+    sqrt(V)) weighted by their mass (the first V / B columns of noise), then among the
+    chosen block's tokens (the next B columns). A token is drawn with probability
+    mass_b / total * p_i / mass_b = p_i / total (the masses summed in fp64), from about
+    2 sqrt(V) random numbers instead of V."""
+    rows, vocab = probs.shape
+    block = _race_block(vocab)
+    num_blocks = -(-vocab // block)
+    padded = torch.nn.functional.pad(probs, (0, num_blocks * block - vocab))
+    blocks = padded.view(rows, num_blocks, block)
+    chosen = _race_max(blocks.sum(dim=-1, dtype=torch.float64), noise[:, :num_blocks])
+    inside = blocks.gather(1, chosen.view(rows, 1, 1).expand(rows, 1, block)).squeeze(1)
+    return chosen * block + _race_max(inside, noise[:, num_blocks : num_blocks + block])
+
+
+def _race_block(vocab_size: int) -> int:
+    block = 1
+    while block * block < vocab_size:
+        block *= 2
+    return block
+
+
+def _race_max(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per row the index maximizing weights / noise (an exact draw for exponential noise)."""
+    # Zero noise cannot come from keyed_exponential, but never let it lift a zero weight.
+    return torch.where(weights > 0, weights / noise, -1.0).argmax(dim=-1)
 
 
 @dataclass

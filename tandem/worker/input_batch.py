@@ -8,10 +8,12 @@ scheduler's view.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
+from tandem.layers.keyed_random import request_seed
 from tandem.step import ScheduledRequest, SchedulerOutput
 from tandem.worker.request_slots import RequestSlots
 
@@ -23,7 +25,7 @@ class RequestState:
     token_ids: list[int]  # prompt and every token the worker emitted
     num_prompt_tokens: int
     num_computed: int  # positions whose KV is valid
-    generator: torch.Generator | None
+    seed: int  # the 63-bit key of every random number the request draws (keyed_random)
     drafts: torch.Tensor | None = None  # [num_drafts] on the device, for the next step
     draft_probs: torch.Tensor | None = None  # [num_drafts, V] for sampled drafts
     num_prompt_logprobs: int = 0  # prompt logprobs reported so far (survives preemption)
@@ -102,8 +104,12 @@ class InputBatch:
         block_size: int,
         max_model_len: int,
         slots: RequestSlots | None = None,
+        seed: int = 0,
     ):
         self.device = device
+        # Key seeds of unseeded requests, drawn at admission (the engine's seed makes a run
+        # reproducible; every tensor-parallel rank sees the requests in the same order).
+        self.seed_source = random.Random(seed)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.states: dict[str, RequestState] = {}
@@ -120,7 +126,7 @@ class InputBatch:
 
     def state_for(self, row: ScheduledRequest) -> RequestState:
         """The request's state; a row that (re)admits a request resets it from the
-        scheduler's snapshot (the generator and reported prompt logprobs carry over)."""
+        scheduler's snapshot (the key seed and reported prompt logprobs carry over)."""
         request = row.request
         state = self.states.get(request.request_id)
         if row.reset_token_ids is None:
@@ -128,12 +134,9 @@ class InputBatch:
                 raise RuntimeError(f"request {request.request_id!r} has no runner state")
             return state
         if state is None:
-            seed = request.sampling_params.seed
-            generator = None
-            if seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(seed)
+            seed = request_seed(request.sampling_params.seed, self.seed_source)
             state = self.add_state(
-                request.request_id, RequestState([], request.num_prompt_tokens, 0, generator)
+                request.request_id, RequestState([], request.num_prompt_tokens, 0, seed)
             )
         state.token_ids = list(row.reset_token_ids)  # the runner's own copy, grown in place
         state.num_computed = row.reset_num_computed

@@ -59,11 +59,12 @@ class StepPipeline:
         if runner.proposer is not None:  # room for every running request and the ones ending
             capacity = 2 * runner.config.scheduler.max_num_seqs + 2
             slots = RequestSlots(num_drafts, runner.device, capacity)
-        self.batch = InputBatch(runner.device, runner.block_size, runner.max_model_len, slots)
         # Every rank seeds alike, so all sample the same tokens from the same full logits.
-        self.default_generator = torch.Generator(device=self.device).manual_seed(runner.config.seed)
+        self.batch = InputBatch(
+            runner.device, runner.block_size, runner.max_model_len, slots, runner.config.seed
+        )
         # With an MTP head: which steps the device resolves, their launch, and drafting.
-        self.mtp = MTPSteps(runner, self.batch, self.default_generator) if slots else None
+        self.mtp = MTPSteps(runner, self.batch) if slots else None
         self.reader = DeviceReader(self.device)
         self.launch_seconds = 0.0  # the host's time in launch (preparing, queueing steps)
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
@@ -152,7 +153,8 @@ class StepPipeline:
                     len(logits_rows),
                     plan.num_drafts,
                     plan.row.request.sampling_params,
-                    state.generator,
+                    state.seed,
+                    plan.start + plan.num_known,  # the position its first draw is for
                     len(state.token_ids) - state.num_prompt_tokens,
                     state.draft_probs,
                 )
@@ -171,7 +173,6 @@ class StepPipeline:
                     sampling_rows,
                     logits[:num_sampling],
                     input_ids.index_select(0, rows[:num_sampling]),
-                    self.default_generator,
                 )
                 reads += [sample.candidates, sample.num_emitted]
                 if sample.logprobs is not None:

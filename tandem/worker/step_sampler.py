@@ -2,7 +2,11 @@
 verify them (greedy prefix match, or rejection sampling at temperature > 0, each kind for
 all its rows at once) and emit 1 to k + 1 tokens. Every emitted token's logprob comes from
 the target's raw logits at its own position. Nothing is read back here; the model runner
-copies the results in one go."""
+copies the results in one go.
+
+Random numbers are keyed by (request seed, position of the token drawn, draw kind)
+(:mod:`tandem.layers.keyed_random`): a plain row drawing the token at position t and a row
+with drafts whose draw at t is a residual or bonus draw use the same TOKEN noise of t."""
 
 from __future__ import annotations
 
@@ -29,23 +33,27 @@ from tandem.worker.spec_decode.verification import (
 @dataclass
 class SamplingRow:
     """A request that samples this step; its logits rows are consecutive from
-    ``logits_start``: the last known token, then one per draft."""
+    ``logits_start``: the last known token, then one per draft. ``position`` is the position
+    of the first token the row draws (its last known token's position + 1; None where only
+    the device knows it: ``sample_step`` then takes ``positions``)."""
 
     logits_start: int
     num_drafts: int
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # the request's 63-bit key seed (keyed_random.request_seed)
+    position: int | None
     num_output_tokens: int  # before this step (for min_tokens)
     draft_probs: torch.Tensor | None = None  # [num_drafts, V] when the drafts were sampled
 
 
 def sampling_batch(
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    seeds: torch.Tensor | None,
     vocab_size: int,
     device: torch.device,
 ) -> SamplingBatch:
-    """The device tensors of ``params`` (one row each; seeded rows' own generators)."""
+    """The device tensors of ``params`` (one row each), with the rows' key ``seeds`` [N]
+    (None where the batch only filters)."""
     greedy = [p.greedy for p in params]
     top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
     top_p = [p.top_p for p in params]
@@ -62,7 +70,7 @@ def sampling_batch(
         top_k=to_device(top_k, torch.long, device) if uses(top_k, vocab_size) else None,
         top_p=to_device(top_p, torch.float32, device) if uses(top_p, 1.0) else None,
         min_p=to_device(min_p, torch.float32, device) if uses(min_p, 0.0) else None,
-        generators=generators,
+        seeds=seeds,
         all_greedy=not sampled_rows,
     )
 
@@ -122,10 +130,12 @@ def _rejection_sample(
     rows: list[SamplingRow],
     logits: torch.Tensor,
     row_tokens: torch.Tensor,
-    default_generator: torch.Generator | None,
+    seeds: torch.Tensor,
+    first_positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rejection sampling of all sampled rows with drafts at once; returns (accepted drafts
-    per row, candidate tokens, the logits rows they belong to)."""
+    """Rejection sampling of all sampled rows with drafts at once (their key ``seeds`` and
+    ``first_positions`` on the device); returns (accepted drafts per row, candidate tokens,
+    the logits rows they belong to)."""
     device, vocab = logits.device, logits.shape[-1]
     num_drafts = [r.num_drafts for r in rows]
     logits_rows = [r.logits_start + j for r in rows for j in range(r.num_drafts + 1)]
@@ -136,7 +146,7 @@ def _rejection_sample(
     index = to_device(logits_rows, torch.long, device)
     batch = sampling_batch(
         [r.params for r in rows for _ in range(r.num_drafts + 1)],
-        [None] * len(logits_rows),
+        None,
         vocab,
         device,
     )
@@ -164,9 +174,7 @@ def _rejection_sample(
     if one_hot:
         positions = to_device(one_hot, torch.long, device)
         draft_probs.index_put_((positions, draft_tokens[positions]), torch.ones((), device=device))
-    uniforms, noise = rejection_randoms(
-        num_drafts, vocab, [r.generator for r in rows], default_generator, device
-    )
+    uniforms, noise = rejection_randoms(seeds, first_positions, num_drafts, vocab)
     accepted, tokens = rejection_verify_batch(
         target_probs, draft_probs, draft_tokens, num_drafts, uniforms, noise
     )
@@ -177,10 +185,12 @@ def sample_step(
     rows: list[SamplingRow],
     logits: torch.Tensor,
     row_tokens: torch.Tensor,
-    default_generator: torch.Generator | None,
+    positions: torch.Tensor | None = None,
 ) -> StepSample:
     """Sample and verify every row. ``row_tokens[j]`` is the input token at logits row j (so
-    a row's drafts are ``row_tokens[start + 1 : start + 1 + num_drafts]``)."""
+    a row's drafts are ``row_tokens[start + 1 : start + 1 + num_drafts]``). ``positions``
+    [len(rows)] (long, on the device), when given, are the rows' first drawn positions in
+    place of their ``position``."""
     device = logits.device
     vocab = logits.shape[-1]
     filtered = _ban_end_tokens(rows, logits)
@@ -188,27 +198,39 @@ def sample_step(
     num_emitted = torch.ones(len(rows), dtype=torch.long, device=device)
 
     plain = [i for i, r in enumerate(rows) if not r.num_drafts and not r.params.greedy]
+    drafted = [i for i, r in enumerate(rows) if r.num_drafts and not r.params.greedy]
+    seeds = first_positions = None
+    if plain or drafted:
+        seeds = to_device([r.seed for r in rows], torch.long, device)
+        first_positions = positions if positions is not None else _host_positions(rows, device)
+
     if plain:
+        index = to_device(plain, torch.long, device)
         batch = sampling_batch(
-            [rows[i].params for i in plain], [rows[i].generator for i in plain], vocab, device
+            [rows[i].params for i in plain], seeds.index_select(0, index), vocab, device
         )
         starts = to_device([rows[i].logits_start for i in plain], torch.long, device)
-        candidates.index_copy_(
-            0, starts, sample(filtered.index_select(0, starts), batch, default_generator)
+        tokens = sample(
+            filtered.index_select(0, starts), batch, first_positions.index_select(0, index)
         )
+        candidates.index_copy_(0, starts, tokens)
 
     greedy = [i for i, r in enumerate(rows) if r.num_drafts and r.params.greedy]
     if greedy:
         accepted = _greedy_accepted([rows[i] for i in greedy], candidates, row_tokens)
         num_emitted.index_copy_(0, to_device(greedy, torch.long, device), accepted + 1)
 
-    drafted = [i for i, r in enumerate(rows) if r.num_drafts and not r.params.greedy]
     if drafted:
+        index = to_device(drafted, torch.long, device)
         accepted, tokens, logits_rows = _rejection_sample(
-            [rows[i] for i in drafted], filtered, row_tokens, default_generator
+            [rows[i] for i in drafted],
+            filtered,
+            row_tokens,
+            seeds.index_select(0, index),
+            first_positions.index_select(0, index),
         )
         candidates.index_copy_(0, logits_rows, tokens)
-        num_emitted.index_copy_(0, to_device(drafted, torch.long, device), accepted + 1)
+        num_emitted.index_copy_(0, index, accepted + 1)
 
     logprob_rows = [
         row.logits_start + j
@@ -224,3 +246,11 @@ def sample_step(
             logits.index_select(0, index), candidates.index_select(0, index), num_top
         )
     return StepSample(candidates, num_emitted, logprob_rows, logprobs)
+
+
+def _host_positions(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """The rows' first drawn positions from the host (each row must know its own)."""
+    missing = [i for i, r in enumerate(rows) if r.position is None]
+    if missing:
+        raise ValueError(f"sample_step: rows {missing} have no position; pass positions")
+    return to_device([r.position for r in rows], torch.long, device)

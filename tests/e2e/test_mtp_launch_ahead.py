@@ -112,12 +112,12 @@ def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompt
     launch = mtp_steps.launch_uniform_step
     writes: list[tuple[int, int]] = []  # (highest position a row may write, its limit)
 
-    def checked(runner, slots, plans, generator):
+    def checked(runner, slots, plans):
         for plan in plans:  # on the CPU the slots hold the values the step will read
             start = int(slots.next_start[plan.state.slot])
             limit = min(max_model_len, len(plan.row.block_ids) * block_size)
             writes.append((start + 2 * K - 1, limit))
-        return launch(runner, slots, plans, generator)
+        return launch(runner, slots, plans)
 
     monkeypatch.setattr(mtp_steps, "launch_uniform_step", checked)
     short_prompts = [p for p in prompts if len(p["prompt_token_ids"]) < 100][:4]

@@ -9,6 +9,8 @@ Triton's interpreter on the CPU.
 import pytest
 import torch
 
+from tandem.layers.keyed_random import draft_draw, keyed_exponential
+from tandem.layers.sampler import race, race_width
 from tandem.layers.triton_attention import TritonAttentionBackend
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
@@ -57,15 +59,20 @@ def _rows(num_drafts: list[int]) -> list[ProposalRow]:
     return rows
 
 
-def _propose(proposer, rows, hidden, params=None):
+def _propose(proposer, rows, hidden, params=None, full=False):
+    """The drafts per request (the whole proposal with ``full``); request i's key seed is
+    ``params.seed + i`` (sampled) or i."""
     sampling = {
-        r.request_id: (params or SamplingParams(temperature=0.0), None)
-        for r in rows
+        r.request_id: (
+            params or SamplingParams(temperature=0.0),
+            (params.seed or 0) + i if params else i,
+        )
+        for i, r in enumerate(rows)
         if r.num_drafts
     }
     with torch.inference_mode():
-        proposal = proposer.propose(rows, hidden, sampling, None)
-    return proposal.draft_token_ids
+        proposal = proposer.propose(rows, hidden, sampling)
+    return proposal if full else proposal.draft_token_ids
 
 
 def test_chained_drafts_equal_eager_drafts_and_cache():
@@ -113,6 +120,42 @@ def test_eager_drafting_where_no_chain_applies(case):
                 torch.zeros(3, dtype=torch.long),
                 torch.zeros((3, eager.model.arch.hidden_size)),
             )
-    if case != "sampled":  # sampled drafts draw from generators that differ between runs
-        for request_id, drafts in want.items():
-            assert torch.equal(got[request_id], drafts), request_id
+    # Sampled drafts too: their random numbers are keyed by seed, position and depth.
+    for request_id, drafts in want.items():
+        assert torch.equal(got[request_id], drafts), request_id
+
+
+def test_sampled_drafts_are_keyed_by_seed_position_and_depth():
+    """A sampled draft at depth d for position t is the race of its draft distribution
+    against the noise of (request seed, t, draft_draw(d)), computed here independently; a
+    second proposer over a reordered batch drafts the same."""
+    eager = _proposer()
+    rows = _rows([K, 2, K])
+    params = SamplingParams(temperature=1.5, seed=40)
+    hidden = torch.randn(
+        (9, eager.model.arch.hidden_size), generator=torch.Generator().manual_seed(4)
+    )
+    proposal = _propose(eager, rows, hidden, params, full=True)
+    for i, row in enumerate(rows):
+        drafts = proposal.draft_token_ids[row.request_id]
+        probs = proposal.draft_probs[row.request_id]
+        assert drafts.shape == (row.num_drafts,) and probs.shape[0] == row.num_drafts
+        for depth in range(row.num_drafts):
+            noise = keyed_exponential(
+                torch.tensor([params.seed + i]),
+                torch.tensor([row.positions[-1] + 2 + depth]),
+                draft_draw(depth),
+                race_width(probs.shape[1]),
+            )
+            assert int(drafts[depth]) == int(race(probs[depth][None], noise)[0]), (i, depth)
+    # The same requests in another order (seeds follow the requests): the same drafts.
+    reordered = _proposer()
+    order = [2, 0, 1]
+    sampling = {rows[i].request_id: (params, params.seed + i) for i in order if rows[i].num_drafts}
+    with torch.inference_mode():
+        # Each row's hidden_rows still point into the same hidden states.
+        again = reordered.propose([rows[i] for i in order], hidden, sampling)
+    for row in rows:
+        assert torch.equal(
+            again.draft_token_ids[row.request_id], proposal.draft_token_ids[row.request_id]
+        )

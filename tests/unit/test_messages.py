@@ -63,7 +63,10 @@ EXAMPLES = [
     (PrefillCancel("d/a"), TO_PREFILL),
     (PrefillStarted("d/a"), TO_DECODE),
     (KVTransferring("d/a"), TO_DECODE),
-    (KVReady("d/a", 5, LOGPROBS, [], 0, Handoff([1, 2], b"\x00" * 8, [2, 1], b"\x01")), TO_DECODE),
+    (
+        KVReady("d/a", 5, LOGPROBS, [], 0, Handoff([1, 2], b"\x00" * 8, [2, 1], 2**63 - 1)),
+        TO_DECODE,
+    ),
     (KVReady("d/a", 5, [], [], 16), TO_DECODE),
     (KVFailed("d/a", "cancelled"), TO_DECODE),
 ]

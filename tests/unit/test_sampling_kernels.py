@@ -116,7 +116,7 @@ def _batch(temperature, top_k, top_p, min_p) -> SamplingBatch:
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
-        generators=[None] * len(top_k),
+        seeds=None,
         all_greedy=False,
     )
 

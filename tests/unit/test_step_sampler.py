@@ -1,6 +1,7 @@
 """The step sampler's batched rejection sampling, through ``sample_step``: each sampled row
-with drafts gets what the one-request reference ``rejection_verify`` gives it, a seeded
-row the same tokens alone or in any batch, and nothing is read back to the host."""
+with drafts gets what the one-request reference ``rejection_verify`` gives it for its key
+(seed and position), a row the same tokens alone or in any batch, and nothing is read back
+to the host."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from tandem.worker.spec_decode.verification import rejection_verify
 from tandem.worker.step_sampler import SamplingRow, sample_step, sampling_batch
 
 VOCAB = 64
+POSITION = 30  # first drawn positions are POSITION + seed % 5
 
 
-def _request(
-    generator, num_drafts: int, params: SamplingParams, seed: int | None, with_draft_probs: bool
-):
-    """(params, seed, logits [k + 1, V], input tokens [k + 1], draft probs or None)."""
+def _request(generator, num_drafts: int, params: SamplingParams, seed: int, with_draft_probs: bool):
+    """(params, seed, logits [k + 1, V], input tokens [k + 1], draft probs or None); its first
+    drawn position is ``POSITION + seed % 5``."""
     logits = 2 * torch.randn((num_drafts + 1, VOCAB), generator=generator)
     draft_probs = None
     if with_draft_probs:
@@ -31,12 +32,17 @@ def _request(
     return params, seed, logits, tokens, draft_probs
 
 
+def _position(seed: int) -> int:
+    return POSITION + seed % 5
+
+
 def _rows(requests):
-    """SamplingRows (fresh generators) and the step's logits and input tokens."""
+    """SamplingRows and the step's logits and input tokens."""
     rows, start = [], 0
     for params, seed, logits, _, draft_probs in requests:
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        rows.append(SamplingRow(start, len(logits) - 1, params, generator, 5, draft_probs))
+        rows.append(
+            SamplingRow(start, len(logits) - 1, params, seed, _position(seed), 5, draft_probs)
+        )
         start += len(logits)
     return rows, torch.cat([r[2] for r in requests]), torch.cat([r[3] for r in requests])
 
@@ -44,7 +50,7 @@ def _rows(requests):
 def _run(requests):
     """sample_step over ``requests`` in this order; per request (num_emitted, candidates)."""
     rows, logits, tokens = _rows(requests)
-    result = sample_step(rows, logits, tokens, torch.Generator().manual_seed(1))
+    result = sample_step(rows, logits, tokens)
     return [
         (
             int(result.num_emitted[i]),
@@ -58,28 +64,26 @@ def _reference(request):
     """rejection_verify on the request's filtered target and its q (one-hot without one)."""
     params, seed, logits, tokens, draft_probs = request
     k = len(logits) - 1
-    batch = sampling_batch([params] * (k + 1), [None] * (k + 1), VOCAB, torch.device("cpu"))
+    batch = sampling_batch([params] * (k + 1), None, VOCAB, torch.device("cpu"))
     target = apply_filters(logits, batch)
     if draft_probs is None:
         draft_probs = torch.nn.functional.one_hot(tokens[1:], VOCAB).float()
-    accepted, candidates = rejection_verify(
-        target, draft_probs, tokens[1:], torch.Generator().manual_seed(seed)
-    )
+    accepted, candidates = rejection_verify(target, draft_probs, tokens[1:], seed, _position(seed))
     return int(accepted) + 1, candidates
 
 
 def _mixed_batch(generator, seed: int):
-    """A greedy row with drafts, a plain row, an unseeded drafted row, the seeded row under
-    test (top-k and top-p) and a seeded row with one-hot drafts."""
+    """A greedy row with drafts, a plain row, a drafted row, the row under test (top-k and
+    top-p) and a row with one-hot drafts."""
     sampled = SamplingParams(temperature=0.9)
     seeded = _request(
         generator, 2, SamplingParams(temperature=0.8, top_k=20, top_p=0.9), seed, True
     )
     return seeded, [
-        _request(generator, 2, SamplingParams(temperature=0.0), None, False),
-        _request(generator, 0, sampled, None, False),
+        _request(generator, 2, SamplingParams(temperature=0.0), seed + 2, False),
+        _request(generator, 0, sampled, seed + 3, False),
         seeded,
-        _request(generator, 3, sampled, None, True),
+        _request(generator, 3, sampled, 2**62 + seed, True),
         _request(generator, 1, SamplingParams(temperature=1.2, min_p=0.05), seed + 1, False),
     ]
 
@@ -113,7 +117,7 @@ def test_sample_step_reads_nothing_back_to_the_host(monkeypatch):
         for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy"):
             patch.setattr(torch.Tensor, name, refuse)
         rows, logits, tokens = _rows(batch)
-        result = sample_step(rows, logits, tokens, torch.Generator().manual_seed(1))
+        result = sample_step(rows, logits, tokens)
     for (num_emitted, candidates), row in zip(expected, rows, strict=True):
         span = slice(row.logits_start, row.logits_start + row.num_drafts + 1)
         assert torch.equal(result.candidates[span][:num_emitted], candidates[:num_emitted])

@@ -51,8 +51,8 @@ def _ragged(proposer, hidden, candidates, accepted):
         )
         for i, (start, a) in enumerate(zip(STARTS, accepted, strict=True))
     ]
-    sampling = {row.request_id: (SamplingParams(temperature=0.0), None) for row in rows}
-    proposal = proposer.propose(rows, hidden, sampling, None)
+    sampling = {row.request_id: (SamplingParams(temperature=0.0), 0) for row in rows}
+    proposal = proposer.propose(rows, hidden, sampling)
     return torch.stack([proposal.draft_token_ids[row.request_id] for row in rows])
 
 

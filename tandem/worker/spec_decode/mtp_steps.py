@@ -23,13 +23,10 @@ from tandem.worker.step_sampler import SamplingRow, StepSample
 class MTPSteps:
     """Resolved launches and drafting for one step pipeline with an MTP head."""
 
-    def __init__(
-        self, runner: ModelRunner, batch: InputBatch, default_generator: torch.Generator | None
-    ):
+    def __init__(self, runner: ModelRunner, batch: InputBatch):
         self.runner = runner
         self.batch = batch
         self.slots = batch.slots
-        self.default_generator = default_generator
         self.device = runner.device
         bind_batch = getattr(runner.proposer, "bind_batch", None)
         if bind_batch is not None:  # a proposer that reads the requests' states (the oracle)
@@ -101,9 +98,7 @@ class MTPSteps:
             )
             sampling_rows = resolved_sampling_rows(plans, query_len - 1)
             return plans, StepSample(candidates, emitted, [], None), sampling_rows
-        sample, sampling_rows = launch_uniform_step(
-            self.runner, self.slots, plans, self.default_generator
-        )
+        sample, sampling_rows = launch_uniform_step(self.runner, self.slots, plans)
         return plans, sample, sampling_rows
 
     def after_resolved_read(self, plans: list[RowPlan], output: ModelRunnerOutput) -> None:
@@ -136,7 +131,7 @@ class MTPSteps:
             if new_tokens:
                 # Drafts beyond the context would have no KV slot.
                 num_drafts = max(0, min(k, self.runner.max_model_len - 1 - (kept[-1] + 1)))
-                sampling[request_id] = (plan.row.request.sampling_params, state.generator)
+                sampling[request_id] = (plan.row.request.sampling_params, state.seed)
             rows.append(
                 ProposalRow(
                     request_id,
@@ -147,7 +142,7 @@ class MTPSteps:
                     num_drafts,
                 )
             )
-        proposal = self.runner.proposer.propose(rows, hidden, sampling, self.default_generator)
+        proposal = self.runner.proposer.propose(rows, hidden, sampling)
         for plan in inputs.plans:
             plan.state.slot_ready = False
         ready: list[RequestState] = []

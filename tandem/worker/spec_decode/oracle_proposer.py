@@ -134,8 +134,7 @@ class OracleProposer:
         self,
         rows: list[ProposalRow],
         target_hidden: torch.Tensor,
-        sampling: dict[str, tuple[SamplingParams, torch.Generator | None]],
-        default_generator: torch.Generator | None,
+        sampling: dict[str, tuple[SamplingParams, int]],
     ) -> Proposal:
         """Drafts after a step the host has read (``MTPProposer.propose``'s contract): a
         drafting row's newest token sits one past its last kept position. The drafts carry

@@ -4,7 +4,8 @@ positions (filling its KV cache) and draft k tokens for every request that sampl
 Depth 1 covers every position whose KV the target computed and kept this step; position p
 takes the target's hidden state h[p] and the token at p + 1 (known, accepted or just
 sampled). Depths 2..k are one row per drafting request, each on the previous depth's hidden
-state and draft, at the next position.
+state and draft, at the next position. A sampled draft at depth d for position t draws with
+the noise keyed by (request seed, t, ``draft_draw(d)``) (``tandem.layers.keyed_random``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from tandem.device_copy import to_device
 from tandem.layers.attention import AttentionBackend
+from tandem.layers.keyed_random import draft_draw
 from tandem.layers.sampler import apply_filters, draw
 from tandem.models.llama import LlamaModel
 from tandem.models.mtp import MTPHead
@@ -103,12 +105,12 @@ class MTPProposer:
         self,
         rows: list[ProposalRow],
         target_hidden: torch.Tensor,
-        sampling: dict[str, tuple[SamplingParams, torch.Generator | None]],
-        default_generator: torch.Generator | None,
+        sampling: dict[str, tuple[SamplingParams, int]],
     ) -> Proposal:
-        """``sampling`` maps each drafting request to its params and generator; greedy
-        requests draft by argmax, the others sample from the filtered draft distribution q.
-        The drafts stay on the device (the next step reads them there)."""
+        """``sampling`` maps each drafting request to its params and 63-bit key seed; greedy
+        requests draft by argmax, the others sample from the filtered draft distribution q
+        (keyed by seed, drafted position and depth). The drafts stay on the device (the next
+        step reads them there)."""
         rows = [r for r in rows if r.positions]
         proposal = Proposal({}, {})
         if not rows:
@@ -137,12 +139,17 @@ class MTPProposer:
             0, to_device([ends[i] for i, _ in drafting], torch.long, device)
         )
         drafting_rows = [r for _, r in drafting]
-        batch = sampling_batch(
-            [sampling[r.request_id][0] for r in drafting_rows],
-            [sampling[r.request_id][1] for r in drafting_rows],
-            self.model.arch.vocab_size,
-            device,
-        )
+        params = [sampling[r.request_id][0] for r in drafting_rows]
+        seeds = first_positions = None
+        if not all(p.greedy for p in params):
+            seeds = to_device(
+                [sampling[r.request_id][1] for r in drafting_rows], torch.long, device
+            )
+            # Depth 0 drafts the token after the last kept position's next token.
+            first_positions = to_device(
+                [r.positions[-1] + 2 for r in drafting_rows], torch.long, device
+            )
+        batch = sampling_batch(params, seeds, self.model.arch.vocab_size, device)
         max_depth = max(r.num_drafts for r in drafting_rows)
         # Depths >= 1 by one graph replay when every row drafts greedily to the full depth.
         graphs = self.graphs
@@ -173,7 +180,7 @@ class MTPProposer:
             probs = None
             if not batch.all_greedy:
                 probs = apply_filters(logits, batch)
-                sampled = draw(probs, batch.generators, default_generator)
+                sampled = draw(probs, batch.seeds, first_positions + depth, draft_draw(depth))
                 tokens = torch.where(batch.greedy, tokens, sampled)
             tokens_per_depth.append(tokens)
             probs_per_depth.append(probs)

@@ -40,7 +40,8 @@ def resolved_sampling_rows(plans: list[RowPlan], num_drafts: int) -> list[Sampli
             index * (num_drafts + 1),
             num_drafts,
             plan.row.request.sampling_params,
-            plan.state.generator,
+            plan.state.seed,
+            None,  # the first drawn position is on the device only
             len(plan.state.token_ids) - plan.state.num_prompt_tokens,
         )
         for index, plan in enumerate(plans)
@@ -51,7 +52,6 @@ def launch_uniform_step(
     runner: ModelRunner,
     slots: RequestSlots,
     plans: list[RowPlan],
-    default_generator: torch.Generator | None,
 ) -> tuple[StepSample, list[SamplingRow]]:
     """Queue the uniform step of ``plans`` (offsets ``b * (k + 1)``); returns its sample
     (candidates, emitted counts and logprobs on the device) and sampling rows."""
@@ -87,7 +87,8 @@ def launch_uniform_step(
     )
     logits = runner.model.compute_logits(hidden)
     sampling_rows = resolved_sampling_rows(plans, k)
-    sample = sample_step(sampling_rows, logits, input_ids, default_generator)
+    # Each row draws from the position after its last known token (keyed randomness).
+    sample = sample_step(sampling_rows, logits, input_ids, positions=start + 1)
     accepted = sample.num_emitted - 1
     bonus = sample.candidates.view(rows, query_len).gather(1, accepted[:, None]).squeeze(1)
     slots.next_start.index_copy_(0, slot_ids, start + accepted + 1)

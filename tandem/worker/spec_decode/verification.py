@@ -3,13 +3,20 @@ rejection sampling, which keeps the target distribution exactly (Leviathan et al
 al.): :func:`rejection_verify` for one request (the reference), and
 :func:`rejection_verify_batch` for every sampled request of a step at once. Nothing here
 reads a value back to the host: the number of accepted drafts stays a device tensor until
-the step's one device-to-host copy."""
+the step's one device-to-host copy.
+
+The random numbers are keyed (:mod:`tandem.layers.keyed_random`): for a request whose first
+draft is for position t, draft i's acceptance uniform is ACCEPT at t + i, and the draw at
+row i (the residual after a rejection of draft i, or the bonus draw at i = k) uses the TOKEN
+noise at t + i, the same numbers that a plain sample at t + i uses."""
 
 from __future__ import annotations
 
 import torch
 
 from tandem.device_copy import to_device
+from tandem.layers.keyed_random import ACCEPT, TOKEN, keyed_exponential, keyed_uniform
+from tandem.layers.sampler import race, race_width
 
 
 def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -21,29 +28,29 @@ def greedy_verify(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> to
     return agree.cumprod(0).sum()
 
 
-def exact_draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One exact draw per row of (not necessarily normalized) distributions [R, V]."""
-    return _race(probs, torch.empty_like(probs).exponential_(generator=generator))
-
-
 def rejection_verify(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator | None,
+    seed: int,
+    first_position: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling for one request; returns (accepted count, candidate tokens [k + 1]).
 
     ``target_probs`` [k + 1, V] are the target's (filtered) distributions at the positions of
     the last token and the k drafts; ``draft_probs`` [k, V] are the distributions the drafts
-    were sampled from. Draft i is accepted with probability min(1, p(d)/q(d)); at the first
-    rejection a token is drawn from normalize(max(p - q, 0)); if all pass, a bonus token is
-    drawn from p at the last position. The emitted tokens are ``candidates[: accepted + 1]``.
-    The random numbers drawn do not depend on the outcome (k uniforms, k + 1 draws), so a
-    seeded request's stream is the same however its drafts fare.
+    were sampled from; the first draft is for position ``first_position``. Draft i is
+    accepted with probability min(1, p(d)/q(d)); at the first rejection a token is drawn from
+    normalize(max(p - q, 0)); if all pass, a bonus token is drawn from p at the last
+    position. The emitted tokens are ``candidates[: accepted + 1]``. The random numbers are
+    keyed by (``seed``, position) (the module docstring) and do not depend on the outcome.
     """
     k = draft_tokens.shape[0]
-    uniforms = torch.rand((k,), generator=generator, device=target_probs.device)
+    device = target_probs.device
+    seeds = torch.full((k + 1,), seed, dtype=torch.long, device=device)
+    offsets = torch.arange(k + 1, device=device)
+    positions = first_position + offsets
+    uniforms = keyed_uniform(seeds[:k], positions[:k], ACCEPT, 1)[:, 0]
     index = draft_tokens[:, None]
     p = target_probs[:k].gather(1, index).squeeze(1)
     q = draft_probs.gather(1, index).squeeze(1)
@@ -52,54 +59,40 @@ def rejection_verify(
     # p == q numerically leaves no residual mass: any draw from p is then exact.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target_probs[:k], residual)
-    draws = exact_draw(torch.cat([residual, target_probs[k:]]), generator)
-    positions = torch.arange(k + 1, device=target_probs.device)
-    candidates = torch.where(positions < accepted, torch.cat([draft_tokens, draws[k:]]), draws)
+    noise = keyed_exponential(seeds, positions, TOKEN, race_width(target_probs.shape[1]))
+    draws = race(torch.cat([residual, target_probs[k:]]), noise)
+    candidates = torch.where(offsets < accepted, torch.cat([draft_tokens, draws[k:]]), draws)
     return accepted, candidates
 
 
 def rejection_randoms(
-    num_drafts: list[int],
-    vocab_size: int,
-    generators: list[torch.Generator | None],
-    default_generator: torch.Generator | None,
-    device: torch.device,
+    seeds: torch.Tensor, first_positions: torch.Tensor, num_drafts: list[int], vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The random numbers of :func:`rejection_verify_batch`: uniforms [R, max k] (row i
-    uses its first k_i) and exponential noise [sum(k_i + 1), V] (k_i + 1 rows per request).
-
-    A seeded request draws from its own generator exactly what :func:`rejection_verify`
-    draws (k uniforms, then a (k + 1) x V noise block), so it gets the same tokens alone or
-    in any batch; unseeded requests share one draw of each from ``default_generator``."""
-    starts = row_starts(num_drafts)
-    uniforms = torch.zeros((len(num_drafts), max(num_drafts, default=0)), device=device)
-    noise = torch.empty((starts[-1], vocab_size), device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        uniforms.uniform_(generator=default_generator)
-        noise.exponential_(generator=default_generator)
-    elif unseeded:
-        uniforms.index_copy_(
-            0,
-            to_device(unseeded, torch.long, device),
-            torch.rand(
-                (len(unseeded), uniforms.shape[1]), generator=default_generator, device=device
-            ),
-        )
-        rows = [starts[i] + j for i in unseeded for j in range(num_drafts[i] + 1)]
-        noise.index_copy_(
-            0,
-            to_device(rows, torch.long, device),
-            torch.empty((len(rows), vocab_size), device=device).exponential_(
-                generator=default_generator
-            ),
-        )
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            k = num_drafts[i]
-            uniforms[i, :k] = torch.rand((k,), generator=generator, device=device)
-            noise[starts[i] : starts[i + 1]].exponential_(generator=generator)
-    return uniforms, noise
+    """The random numbers of :func:`rejection_verify_batch` for R requests, keyed by each
+    one's seed ``seeds`` [R] and the position of its first draft ``first_positions`` [R]
+    (long, on the device): uniforms [R, max k] fp64 (row i uses its first k_i) and
+    exponential noise [sum(k_i + 1), race_width(V)] (k_i + 1 rows per request). Each request gets
+    exactly what :func:`rejection_verify` draws for it, alone or in any batch."""
+    device = seeds.device
+    max_drafts = max(num_drafts, default=0)
+    owner = to_device(
+        [i for i, k in enumerate(num_drafts) for _ in range(k + 1)], torch.long, device
+    )
+    offset = to_device([j for k in num_drafts for j in range(k + 1)], torch.long, device)
+    noise = keyed_exponential(
+        seeds.index_select(0, owner),
+        first_positions.index_select(0, owner) + offset,
+        TOKEN,
+        race_width(vocab_size),
+    )
+    steps = torch.arange(max_drafts, device=device)
+    uniforms = keyed_uniform(
+        seeds[:, None].expand(-1, max_drafts).reshape(-1),
+        (first_positions[:, None] + steps).reshape(-1),
+        ACCEPT,
+        1,
+    )
+    return uniforms.view(len(num_drafts), max_drafts), noise
 
 
 def rejection_verify_batch(
@@ -143,7 +136,7 @@ def rejection_verify_batch(
     from_target = (residual.sum(dim=-1, keepdim=True) <= 0) | to_device(
         is_bonus, torch.bool, device
     )[:, None]
-    draws = _race(torch.where(from_target, target_probs, residual), noise)
+    draws = race(torch.where(from_target, target_probs, residual), noise)
     emits_draft = (
         to_device(offset, torch.long, device) < accepted[to_device(owner, torch.long, device)]
     )
@@ -157,9 +150,3 @@ def row_starts(num_drafts: list[int]) -> list[int]:
     for k in num_drafts:
         starts.append(starts[-1] + k + 1)
     return starts
-
-
-def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Per row the index maximizing probs / noise (an exact draw for exponential noise)."""
-    # Zero noise happens: never let it lift a zero-probability token.
-    return torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)

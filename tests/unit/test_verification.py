@@ -1,30 +1,29 @@
-"""Draft verification of one request: greedy prefix matching, and rejection sampling, whose
-emitted tokens must follow the target's distribution exactly whatever the drafts were (DESIGN
-invariant 2), with its edge cases.
+"""Draft verification: greedy prefix matching, and rejection sampling, whose emitted tokens
+must follow the target's distribution exactly whatever the drafts were (DESIGN invariant 2).
 
-The statistical tests use the synthetic "model" of ``verification_stats.py`` (a vocab of 8
-whose target distribution p_j at output position j does not depend on earlier tokens), so
-every emitted token j must be distributed as p_j. Each is checked by a chi-square
-goodness-of-fit test at significance 0.001 with a fixed seed; negative controls show that the
-same check rejects a verifier without the residual correction."""
+The statistical tests use a synthetic "model" over a vocab of 8 whose target distribution p_j
+at output position j does not depend on earlier tokens, so every emitted token j (over the
+trials that reach it) must be distributed as p_j (``rejection_stats.py``). Each is checked
+by a chi-square goodness-of-fit test at significance 0.001 with a fixed seed; negative
+controls show that the same check rejects a verifier without the residual correction. The
+batched verifier's tests are in ``test_rejection_batch.py``.
+
+The verifier's random numbers are keyed (``tandem.layers.keyed_random``): every trial is a
+request with its own key (seed and first draft position), as requests are in the engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from verification_stats import (
-    TRIALS,
-    P,
-    Q,
-    V,
-    check_all_positions,
-    goodness_of_fit,
-    position_counts,
-    run_trials,
-)
+from rejection_stats import TRIALS, P, Q, V, check_all_positions, goodness_of_fit, position_counts
 
+from tandem.layers import sampler
+from tandem.layers.keyed_random import ACCEPT, TOKEN, keyed_uniform
+from tandem.layers.sampler import draw
 from tandem.worker.spec_decode import verification
-from tandem.worker.spec_decode.verification import exact_draw, greedy_verify, rejection_verify
+from tandem.worker.spec_decode.verification import greedy_verify, rejection_verify
 
 
 def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int]:
@@ -34,15 +33,51 @@ def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int
     return target_tokens[: int(accepted) + 1]
 
 
-def rejection_accept(p, q, drafts: list[int], generator) -> list[int]:
-    """The tokens :func:`rejection_verify` emits for one request, as a host list."""
-    accepted, candidates = rejection_verify(p, q, torch.tensor(drafts, dtype=torch.long), generator)
+def rejection_accept(p, q, drafts: list[int], key: tuple[int, int]) -> list[int]:
+    """The tokens :func:`rejection_verify` emits for one request keyed (seed, first draft
+    position), as a host list."""
+    drafts_tensor = torch.tensor(drafts, dtype=torch.long)
+    accepted, candidates = rejection_verify(p, q, drafts_tensor, *key)
     return candidates[: int(accepted) + 1].tolist()
 
 
-def sample_from(probs: torch.Tensor, generator) -> int:
-    """One :func:`exact_draw` from a single distribution."""
-    return int(exact_draw(probs[None], generator)[0])
+def _key_tensors(seed: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor([seed]), torch.tensor([position])
+
+
+def sample_from(probs: torch.Tensor, seed: int, position: int) -> int:
+    """One keyed :func:`draw` (TOKEN noise of (seed, position)) from a single distribution."""
+    return int(draw(probs[None], *_key_tensors(seed, position), TOKEN)[0])
+
+
+def uniform_at(seed: int, position: int) -> float:
+    """The keyed acceptance uniform of (seed, position)."""
+    return float(keyed_uniform(*_key_tensors(seed, position), ACCEPT, 1)[0, 0])
+
+
+Verifier = Callable[[torch.Tensor, torch.Tensor, list[int], tuple[int, int]], list[int]]
+
+
+def run_trials(verify: Verifier, p: torch.Tensor, q: torch.Tensor, trials: int, seed: int = 0):
+    """Each trial draws d_i ~ q_i independently and verifies them as a request of its own
+    key (seed ``seed * trials + trial``, its first draft at position 100 + trial % 7);
+    returns the emitted lists."""
+    k = q.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    drafts = (
+        torch.stack(
+            [
+                torch.multinomial(q[i], trials, replacement=True, generator=generator)
+                for i in range(k)
+            ],
+            dim=1,
+        ).tolist()
+        if k
+        else [[] for _ in range(trials)]
+    )
+    return [
+        verify(p, q, d, (seed * trials + trial, 100 + trial % 7)) for trial, d in enumerate(drafts)
+    ]
 
 
 # ---- greedy --------------------------------------------------------------------------------
@@ -88,22 +123,24 @@ def test_invariant_rejection_sampling_no_drafts_samples_from_p():
     check_all_positions(emitted, P[:1], 0)
 
 
-def _always_accept(p, q, drafts, generator):
+def _always_accept(p, q, drafts, key):
     """Broken: emits the raw drafts and the bonus, never rejecting."""
-    return [*drafts, sample_from(p[len(drafts)], generator)]
+    seed, first = key
+    return [*drafts, sample_from(p[len(drafts)], seed, first + len(drafts))]
 
 
-def _replacement_from_p(p, q, drafts, generator):
+def _replacement_from_p(p, q, drafts, key):
     """Broken: the right acceptance test, but the replacement is drawn from p instead of
     normalize(max(p - q, 0))."""
+    seed, first = key
     emitted = []
     for i, draft in enumerate(drafts):
-        if torch.rand((), generator=generator) * q[i, draft] <= p[i, draft]:
+        if uniform_at(seed, first + i) * q[i, draft] <= p[i, draft]:
             emitted.append(draft)
             continue
-        emitted.append(sample_from(p[i], generator))
+        emitted.append(sample_from(p[i], seed, first + i))
         return emitted
-    emitted.append(sample_from(p[len(drafts)], generator))
+    emitted.append(sample_from(p[len(drafts)], seed, first + len(drafts)))
     return emitted
 
 
@@ -161,36 +198,34 @@ def test_residual_fallback_when_target_never_exceeds_draft():
 
 
 def test_zero_probability_draft_rejected_even_when_uniform_is_zero(monkeypatch):
-    """torch.rand can return exactly 0.0 (probability 2**-24 per float32 draw). A draft
-    whose target probability is 0 (e.g. filtered by top-k/top-p, or a banned end token)
-    must still be rejected: with ``u * q <= p`` it is accepted when u == 0."""
-    monkeypatch.setattr(verification.torch, "rand", lambda *args, **kwargs: torch.tensor(0.0))
+    """Keyed uniforms lie in the open interval (0, 1), but the acceptance test must not
+    rely on it: a draft whose target probability is 0 (e.g. filtered by top-k/top-p, or a
+    banned end token) must still be rejected with u == 0 (``u * q <= p`` accepts it)."""
+    monkeypatch.setattr(
+        verification, "keyed_uniform", lambda seeds, *args: torch.zeros((len(seeds), 1))
+    )
     p = P[[0, 3]]
     q = Q[:1]  # q0[6] = 0.3 while p0[6] = 0
-    emitted = rejection_accept(p, q, [6], torch.Generator().manual_seed(0))
+    emitted = rejection_accept(p, q, [6], (0, 10))
     assert p[0, emitted[0]] > 0, f"emitted token 6, which has target probability 0: {emitted}"
 
 
 def test_sample_from_never_picks_zero_probability_token_on_zero_noise(monkeypatch):
-    """CPU ``exponential_`` can return exactly 0 (pytorch/pytorch#22557, about 2**-53 per
-    element); probs / noise is then 0 / 0 = NaN, which argmax picks. A zero-probability
-    token must never be drawn."""
-    original = torch.Tensor.exponential_
-
-    def zero_first(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self[0] = 0.0
-        return self
-
-    monkeypatch.setattr(torch.Tensor, "exponential_", zero_first)
+    """Keyed exponentials are never 0, but the race must not rely on it: with zero noise
+    probs / noise is 0 / 0 = NaN for a zero-probability token (or block), which argmax
+    picks. A zero-probability token must never be drawn."""
+    monkeypatch.setattr(
+        sampler, "keyed_exponential", lambda seeds, positions, kind, width: torch.zeros(1, width)
+    )
     probs = torch.tensor([0.0, 0.5, 0.5, 0.0])
-    assert sample_from(probs, torch.Generator().manual_seed(0)) in (1, 2)
+    assert sample_from(probs, 0, 0) in (1, 2)
 
 
 def test_sample_from_matches_distribution():
+    """Keyed draws over one request's positions (one seed, 8,000 positions)."""
     probs = torch.tensor([0.0, 1.0, 2.0, 0.0, 4.0, 1.0, 0.0, 0.0])  # unnormalized
-    generator = torch.Generator().manual_seed(1)
-    tokens = [sample_from(probs, generator) for _ in range(8_000)]
-    counts = torch.bincount(torch.tensor(tokens), minlength=V)
+    positions = torch.arange(8_000)
+    tokens = draw(probs.expand(8_000, -1), torch.ones_like(positions), positions, TOKEN)
+    counts = torch.bincount(tokens, minlength=V)
     fits, why = goodness_of_fit(counts, probs / probs.sum())
     assert fits, why

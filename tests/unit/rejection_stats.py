@@ -1,11 +1,9 @@
-"""The verification tests' statistics: a synthetic "model" over a vocab of 8 whose target
-distribution p_j at output position j does not depend on earlier tokens (P, with drafts
-from Q), so every emitted token j (over the trials that reach it) must be distributed as p_j;
-and the chi-square goodness-of-fit check of that, at significance 0.001."""
+"""Shared by the rejection sampling tests (``test_verification.py``, ``test_rejection_batch.py``):
+a synthetic "model" over a vocab of 8 whose target distribution p_j at output position j does
+not depend on earlier tokens, so every emitted token j (over the trials that reach it) must
+be distributed as p_j; and the chi-square goodness-of-fit check at significance 0.001."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -40,26 +38,6 @@ Q = torch.stack(
         dist([0.00, 0.00, 0.05, 0.05, 0.10, 0.10, 0.30, 0.40]),
     ]
 )
-
-Verifier = Callable[[torch.Tensor, torch.Tensor, list[int], torch.Generator], list[int]]
-
-
-def run_trials(verify: Verifier, p: torch.Tensor, q: torch.Tensor, trials: int, seed: int = 0):
-    """Each trial draws d_i ~ q_i independently and verifies them; returns the emitted lists."""
-    k = q.shape[0]
-    generator = torch.Generator().manual_seed(seed)
-    drafts = (
-        torch.stack(
-            [
-                torch.multinomial(q[i], trials, replacement=True, generator=generator)
-                for i in range(k)
-            ],
-            dim=1,
-        ).tolist()
-        if k
-        else [[] for _ in range(trials)]
-    )
-    return [verify(p, q, d, generator) for d in drafts]
 
 
 def position_counts(emitted: list[list[int]], j: int) -> torch.Tensor:

@@ -1,19 +1,19 @@
-"""Batched draft verification (``rejection_verify_batch``): requests of different draft
-counts in one flat batch, each equal to the one-request ``rejection_verify`` row by row; a
-seeded request's tokens the same alone and in any batch; and, over many padded rows sharing
-one generator, every emitted position still follows the target's distribution (DESIGN
-invariant 2), by the chi-square check of ``verification_stats.py``."""
+"""Batched rejection sampling (``rejection_verify_batch`` with ``rejection_randoms``): each
+request of a batch gets exactly the one-request reference's tokens for its own key (seed and
+first draft position), alone or in any batch, and a large batch keeps the target
+distribution (DESIGN invariant 2; the synthetic model of ``rejection_stats.py``)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from verification_stats import TRIALS, P, Q, V, check_all_positions
+from rejection_stats import TRIALS, P, Q, V, check_all_positions
 
+from tandem.layers.keyed_random import request_seed
 from tandem.worker.spec_decode import verification
 from tandem.worker.spec_decode.verification import rejection_verify
-
-# ---- batched rejection sampling --------------------------------------------------------------
 
 
 def _flat(p_rows, q_rows, drafts_rows):
@@ -50,9 +50,15 @@ def _random_requests(generator, num_drafts: list[int], vocab: int):
     return p_rows, q_rows, drafts_rows
 
 
+def _randoms(seeds: list[int], first_positions: list[int], num_drafts: list[int], vocab: int):
+    return verification.rejection_randoms(
+        torch.tensor(seeds), torch.tensor(first_positions), num_drafts, vocab
+    )
+
+
 def test_batch_equals_rejection_verify_row_by_row():
-    """Seeded requests of different k (0 to 3, one with q == p) in one batch: each gets
-    exactly rejection_verify's count and candidates for its own seed."""
+    """Requests of different k (0 to 3, one with q == p) at different positions in one
+    batch: each gets exactly rejection_verify's count and candidates for its own key."""
     num_drafts, vocab = [3, 1, 2, 0, 3, 2], 50
     generator = torch.Generator().manual_seed(0)
     outcomes = set()
@@ -60,20 +66,15 @@ def test_batch_equals_rejection_verify_row_by_row():
         p_rows, q_rows, drafts_rows = _random_requests(generator, num_drafts, vocab)
         q_rows[5] = p_rows[5][:2].clone()  # always accepted; an empty residual
         seeds = [1000 * trial + i for i in range(len(num_drafts))]
-        uniforms, noise = verification.rejection_randoms(
-            num_drafts,
-            vocab,
-            [torch.Generator().manual_seed(s) for s in seeds],
-            None,
-            torch.device("cpu"),
-        )
+        first_positions = [17 * i + trial for i in range(len(num_drafts))]
+        uniforms, noise = _randoms(seeds, first_positions, num_drafts, vocab)
         accepted, candidates = verification.rejection_verify_batch(
             *_flat(p_rows, q_rows, drafts_rows), num_drafts, uniforms, noise
         )
         starts = verification.row_starts(num_drafts)
         for i, k in enumerate(num_drafts):
             ref_accepted, ref_candidates = rejection_verify(
-                p_rows[i], q_rows[i], drafts_rows[i], torch.Generator().manual_seed(seeds[i])
+                p_rows[i], q_rows[i], drafts_rows[i], seeds[i], first_positions[i]
             )
             assert int(accepted[i]) == int(ref_accepted), (trial, i)
             assert torch.equal(candidates[starts[i] : starts[i + 1]], ref_candidates), (trial, i)
@@ -83,18 +84,16 @@ def test_batch_equals_rejection_verify_row_by_row():
 
 
 def test_seeded_request_same_tokens_alone_and_in_a_batch():
-    """A seeded request's randoms come from its generator alone, wherever it sits in the
-    batch and whoever shares the batch (seeded or not)."""
+    """A request's randoms depend on its own key alone, wherever it sits in the batch and
+    whoever shares the batch (other seeds, other positions, other draft counts)."""
     vocab = 40
     generator = torch.Generator().manual_seed(3)
     p_rows, q_rows, drafts_rows = _random_requests(generator, [2, 3, 1, 3], vocab)
 
     def run(order, seeds):
         num_drafts = [len(drafts_rows[i]) for i in order]
-        generators = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-        randoms = verification.rejection_randoms(
-            num_drafts, vocab, generators, torch.Generator().manual_seed(99), torch.device("cpu")
-        )
+        first_positions = [40 + 3 * i for i in order]
+        randoms = _randoms(seeds, first_positions, num_drafts, vocab)
         accepted, candidates = verification.rejection_verify_batch(
             *_flat(
                 [p_rows[i] for i in order],
@@ -111,9 +110,9 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch():
     for seed in range(10):
         alone = run([1], [seed])
         for order, seeds in (
-            ([0, 1, 2, 3], [None, seed, None, 7]),
-            ([3, 2, 1], [5, None, seed]),
-            ([1, 0], [seed, None]),
+            ([0, 1, 2, 3], [seed + 1, seed, 2**62 + seed, 7]),
+            ([3, 2, 1], [5, seed, seed]),
+            ([1, 0], [seed, seed]),
         ):
             accepted, candidates = run(order, seeds)
             assert accepted == alone[0] and torch.equal(candidates, alone[1]), (seed, order)
@@ -122,7 +121,8 @@ def test_seeded_request_same_tokens_alone_and_in_a_batch():
 @pytest.mark.parametrize("k", [1, 3])
 def test_invariant_rejection_sampling_batched_keeps_target_distribution(k):
     """TRIALS requests in one batch (half with k drafts, half with 2, so rows are padded),
-    sharing one draw of the default generator: every emitted position follows p."""
+    each keyed by a seed drawn as the engine draws unseeded requests' seeds, all at one
+    position: every emitted position follows p."""
     generator = torch.Generator().manual_seed(20 + k)
     num_drafts = [k, 2] * (TRIALS // 2)
     p_of = {k: P[[*range(k), 3]], 2: P[[0, 1, 3]]}
@@ -141,9 +141,9 @@ def test_invariant_rejection_sampling_batched_keeps_target_distribution(k):
     tokens = torch.cat(
         [torch.cat([drafts[d][n // 2], torch.tensor([0])]) for n, d in enumerate(num_drafts)]
     )
-    uniforms, noise = verification.rejection_randoms(
-        num_drafts, V, [None] * len(num_drafts), generator, torch.device("cpu")
-    )
+    source = random.Random(k)
+    seeds = [request_seed(None, source) for _ in num_drafts]
+    uniforms, noise = _randoms(seeds, [300] * len(num_drafts), num_drafts, V)
     accepted, candidates = verification.rejection_verify_batch(
         target, draft, tokens, num_drafts, uniforms, noise
     )
