@@ -82,21 +82,28 @@ class DeviceReader:
 
     def read(self, pending: PendingRead) -> list[list]:
         """Host lists of a started read, after a single wait for its event."""
+        return self.read_all([pending])[0]
+
+    def read_all(self, pendings: list[PendingRead]) -> list[list[list]]:
+        """Host lists of several reads started in this order on one stream, after a single
+        wait: for the last one's event (the earlier copies were queued before it)."""
         self.num_waits += 1
-        if pending.event is not None:
+        last = pendings[-1]
+        if last.event is not None:
             # The one intended wait: exempt from torch's sync debug mode, which a test
             # turns on to catch every other synchronization.
             debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(0)
             start = time.perf_counter()
             try:
-                pending.event.synchronize()
+                last.event.synchronize()
             finally:
                 self.wait_seconds += time.perf_counter() - start
                 torch.cuda.set_sync_debug_mode(debug_mode)
-            if pending.begun is not None:
-                self.device_seconds += pending.begun.elapsed_time(pending.event) / 1e3
-        return [t.tolist() for t in pending.tensors]
+            begun = pendings[0].begun
+            if begun is not None:
+                self.device_seconds += begun.elapsed_time(last.event) / 1e3
+        return [[t.tolist() for t in pending.tensors] for pending in pendings]
 
 
 def copy_to(destination: torch.Tensor, values) -> None:

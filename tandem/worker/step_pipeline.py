@@ -9,10 +9,12 @@ the last launched step at the end of a run. The host waits for the device only i
 ``read`` (DESIGN.md invariant 6).
 
 Plain decoding always launches ahead: a decode row's input token is the unread step's
-sample, filled in on the device. With an MTP head, a step whose rows the device can resolve
-(``spec_decode/mtp_steps.py``: every row verifies k drafts from its request's device slot)
-is launched ahead too and drafts at launch; any other step (a prefill chunk joins, a sampled
-or near-the-end row) reads the step in front of it first and drafts at its own read.
+sample, filled in on the device. With an MTP head a step has up to two parts: the rows the
+device can resolve (``spec_decode/mtp_steps.py``: a row verifies k drafts from its
+request's device slot) are launched ahead as one resolved step that drafts at launch; the
+other rows (a prompt chunk, a sampled or near-the-end row, a request whose drafts the read
+brings) are launched after the step in front is read, and draft at their own read. Both
+parts are read with one wait.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class LaunchedStep:
     output: ModelRunnerOutput
     advanced: bool  # request states were advanced at launch (plain decoding)
     resolved: bool = False  # an MTP step resolved on the device (drafted at launch)
+    # MTP: the step's other rows, launched after the read of the step in front of this one
+    # (this part holds the rows resolved on the device, launched before that read).
+    rest: LaunchedStep | None = None
 
 
 class StepPipeline:
@@ -86,23 +91,47 @@ class StepPipeline:
         """Overlap scheduling: queue ``step``'s device work, then read the step launched by
         the previous call and return its output (None when there was none). The new step
         is queued before the read, so the device never waits for the host's bookkeeping,
-        unless it depends on the host's view of the previous one: with MTP, unless both
-        are resolved on the device (the module docstring)."""
+        unless it depends on the host's view of the previous one: with MTP, the rows that
+        the device resolves go first and the others follow the read (the module
+        docstring)."""
         previous, self._launched = self._launched, None
+        if self.mtp is not None and not step.is_empty:
+            return self._step_ahead_mtp(step, previous)
         output = None
-        resolvable = self.mtp is not None and self.mtp.resolvable(step, previous is not None)
-        if previous is not None and (
-            step.is_empty or (self.mtp is not None and not (previous.resolved and resolvable))
-        ):
+        if previous is not None and step.is_empty:
             output, previous = self.read(previous), None
-            # The read may have made the step resolvable (its rows' slots were filled, and
-            # its rows start at known positions).
-            resolvable = self.mtp is not None and self.mtp.resolvable(step, ahead=False)
-        self._launched = self._timed_launch(step, resolvable)
+        self._launched = self._timed_launch(step)
         if previous is not None:
-            if self.mtp is not None:
-                self.num_launched_ahead += 1
             output = self.read(previous)
+        return output
+
+    def _step_ahead_mtp(
+        self, step: SchedulerOutput, previous: LaunchedStep | None
+    ) -> ModelRunnerOutput | None:
+        """``step_ahead`` with an MTP head: the rows the device can resolve from their slots
+        are launched as one resolved step before ``previous`` is read; the rest (prompt
+        chunks, rows whose drafts the read brings) are launched after it."""
+        ahead = previous is not None
+        ready = [row for row in step.scheduled if self.mtp.row_resolvable(row, ahead)]
+        first = None
+        if ready:
+            first = self._timed_launch(
+                SchedulerOutput(ready, step.finished_request_ids), resolvable=True
+            )
+            if previous is not None:
+                self.num_launched_ahead += 1
+        output = self.read(previous) if previous is not None else None
+        ready_ids = {id(row) for row in ready}
+        rest = [row for row in step.scheduled if id(row) not in ready_ids]
+        if rest:
+            finished = [] if first is not None else step.finished_request_ids
+            later = self._timed_launch(SchedulerOutput(rest, finished))
+            if first is None:
+                first = later
+            elif later is not None:
+                first.rest = later
+                later.output = first.output
+        self._launched = first
         return output
 
     @on_runner_device
@@ -140,6 +169,9 @@ class StepPipeline:
         if resolvable:
             return self._launch_resolved(step, begun)
         inputs = self.batch.prepare(step)
+        if self.mtp is not None:  # their slots are stale until the read drafts for them
+            for plan in inputs.plans:
+                plan.state.slot_ready = False
         if not inputs.plans:  # every row past the context's end: nothing to compute
             return LaunchedStep(inputs, [], [], None, None, None, None, ModelRunnerOutput(), False)
         hidden, input_ids = self.runner.forward(inputs)
@@ -232,8 +264,16 @@ class StepPipeline:
 
     def read(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step once, read its results and apply them."""
-        host = self.reader.read(launched.reads) if launched.reads is not None else []
-        output = launched.output
+        parts = [launched] + ([launched.rest] if launched.rest is not None else [])
+        pending = [part.reads for part in parts if part.reads is not None]
+        hosts = iter(self.reader.read_all(pending) if pending else [])
+        for part in parts:
+            self._apply(part, next(hosts) if part.reads is not None else [], launched.output)
+        self.batch.free_released_slots()
+        return launched.output
+
+    def _apply(self, launched: LaunchedStep, host: list, output: ModelRunnerOutput) -> None:
+        """Apply one launched part's read results to the request states and ``output``."""
         emitted = self._emit(launched, host, output)
         if launched.prompt_logprobs is not None:
             self._report_prompt_logprobs(launched.inputs, host[-4:], output)
@@ -245,8 +285,6 @@ class StepPipeline:
             self.mtp.after_resolved_read(launched.inputs.plans, output)
         elif self.mtp is not None:
             self.mtp.draft_after_read(launched.inputs, launched.hidden, emitted, output)
-        self.batch.free_released_slots()
-        return output
 
     def _emit(self, launched: LaunchedStep, host: list, output) -> dict[str, list[int]]:
         """Apply the step's tokens to the request states and the output."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.step import ModelRunnerOutput, SchedulerOutput
+from tandem.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.worker.input_batch import InputBatch, RequestState, RowPlan, StepInputs
 from tandem.worker.model_runner import ModelRunner, on_runner_device
 from tandem.worker.spec_decode.proposer import ProposalRow
@@ -45,31 +45,31 @@ class MTPSteps:
         self.step_graphs.capture()
 
     def resolvable(self, step: SchedulerOutput, ahead: bool) -> bool:
-        """Whether every row of ``step`` can be resolved on the device: the verification
-        of a full k drafts of a greedy request whose slot is ready, with no end-token ban
-        to apply (min_tokens met), and room for the step's writes within its blocks and
-        the context; ``ahead``: a step in front of it is still unread, so the room must
-        hold however many drafts that step accepts."""
-        if step.is_empty or not getattr(self.runner.proposer, "resolves_on_device", False):
+        """Whether every row of ``step`` can be resolved on the device (``row_resolvable``)."""
+        return not step.is_empty and all(self.row_resolvable(row, ahead) for row in step.scheduled)
+
+    def row_resolvable(self, row: ScheduledRequest, ahead: bool) -> bool:
+        """Whether the device can resolve ``row``: the verification of a full k drafts of a
+        greedy request whose slot is ready, with no end-token ban to apply (min_tokens
+        met), and room for its writes within its blocks and the context; ``ahead``: a step
+        in front of it is still unread, so the room must hold however many drafts that
+        step accepts."""
+        if not getattr(self.runner.proposer, "resolves_on_device", False):
             return False
         k = self.slots.num_drafts
-        limit_tokens = self.runner.max_model_len
-        for row in step.scheduled:
-            state = self.batch.states.get(row.request.request_id)
-            params = row.request.sampling_params
-            if (
-                row.reset_token_ids is not None
-                or row.num_new_tokens < k + 1
-                or state is None
-                or not state.slot_ready
-                or not params.greedy
-                or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens
-            ):
-                return False
-            limit = min(limit_tokens, len(row.block_ids) * self.runner.block_size)
-            if resolved_length_bound(len(state.token_ids), k, ahead) > limit:
-                return False
-        return True
+        state = self.batch.states.get(row.request.request_id)
+        params = row.request.sampling_params
+        if (
+            row.reset_token_ids is not None
+            or row.num_new_tokens < k + 1
+            or state is None
+            or not state.slot_ready
+            or not params.greedy
+            or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens
+        ):
+            return False
+        limit = min(self.runner.max_model_len, len(row.block_ids) * self.runner.block_size)
+        return resolved_length_bound(len(state.token_ids), k, ahead) <= limit
 
     def launch_resolved(
         self, step: SchedulerOutput
