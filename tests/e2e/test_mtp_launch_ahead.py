@@ -66,6 +66,44 @@ def test_mtp_decode_steps_are_queued_before_the_previous_read(make_llm, prompts)
     assert ahead >= 0.9 * decode_steps, f"{ahead} of {decode_steps} decode steps ran ahead"
 
 
+def test_decode_rows_launch_ahead_while_prompts_keep_joining(make_llm, prompts):
+    """Steady state: sixteen requests of mixed lengths through four sequence slots, so a
+    prompt joins most steps; the decode rows of those steps still launch before the read of
+    the step in front (the prompt rows follow it), and the outputs are plain decoding's."""
+    llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_num_seqs=4)
+    pipeline = llm.engine.pipeline
+    step_ahead = pipeline.step_ahead
+    mixed = mixed_ahead = 0
+
+    def counting(step):
+        nonlocal mixed, mixed_ahead
+        before = pipeline.num_launched_ahead
+        joining = [
+            row.reset_token_ids is not None or row.start < row.request.num_prompt_tokens
+            for row in step.scheduled
+        ]
+        output = step_ahead(step)
+        if any(joining) and not all(joining):
+            mixed += 1
+            mixed_ahead += pipeline.num_launched_ahead - before
+        return output
+
+    many = (prompts * 2)[:16]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6 + 5 * (i % 5), ignore_eos=True)
+        for i in range(len(many))
+    ]
+    pipeline.step_ahead = counting
+    try:
+        outputs = llm.generate(many, params, use_tqdm=False)
+    finally:
+        del pipeline.step_ahead
+    plain = make_llm(max_num_seqs=4).generate(many, params, use_tqdm=False)
+    assert _tokens(outputs) == _tokens(plain)
+    assert mixed >= 5
+    assert mixed_ahead >= 0.7 * mixed, f"{mixed_ahead} of {mixed} mixed steps ran ahead"
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_device_slots_agree_with_the_host_under_preemption_and_aborts(make_llm, prompts, overlap):
     llm = make_llm(
