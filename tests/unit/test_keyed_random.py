@@ -93,6 +93,15 @@ def test_cpu_values_equal_the_pure_python_reference(seed, position, draw):
         assert float(noise[column]) == pytest.approx(-math.log(u), rel=1e-6)
 
 
+@pytest.mark.gpu
+def test_cuda_draws_equal_the_cpu_draws_bit_for_bit():
+    seeds = torch.randint(0, 2**63 - 1, (64,), generator=torch.Generator().manual_seed(1))
+    positions = torch.randint(0, 2**20, (64,), generator=torch.Generator().manual_seed(2))
+    cpu = keyed_bits(seeds, positions, TOKEN, 4096)
+    cuda = keyed_bits(seeds.cuda(), positions.cuda(), TOKEN, 4096).cpu()
+    assert torch.equal(cpu, cuda)
+
+
 def test_draws_are_deterministic_and_do_not_depend_on_the_batch():
     """A row's numbers depend on its own key only: not on the other rows, their order, or
     how many columns are asked for."""
