@@ -125,7 +125,8 @@ def test_device_slots_agree_with_the_host_under_preemption_and_aborts(make_llm, 
             for request_id in ids[::3]:
                 llm.abort_request(request_id)
         in_flight = pipeline._launched
-        held = {p.request_id for p in in_flight.inputs.plans} if in_flight else set()
+        parts = [in_flight, in_flight.rest] if in_flight else []
+        held = {p.request_id for part in parts if part for p in part.inputs.plans}
         for request_id, state in pipeline.batch.states.items():
             if not state.slot_ready or request_id in held:
                 continue  # a step in flight has yet to be read for it
