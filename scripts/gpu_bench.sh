@@ -29,7 +29,8 @@
 #               "1024:16384") lists max_num_seqs:max_num_batched_tokens pairs, one run each
 #   pd          PD_MODEL (default the 8B shape) as a prefill and a decode process on this
 #               GPU (KV over CUDA IPC) against one mixed process: decode inter-token latency
-#               under long prompts, KV GB/s, handoff latency
+#               under long prompts, KV GB/s, handoff latency; PD_EXTRA adds options
+#               (e.g. "--mtp": MTP on both roles and on the mixed process)
 #   tp          (2 GPUs) the 8B shape at tensor_parallel_size 1 and 2 (torchrun): batch 1
 #               latency, then NUM_PROMPTS ShareGPT requests offline (Tandem only); TP_SIZES
 #               (default "1 2") picks the sizes
@@ -125,7 +126,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench pd --device cuda \
         --model "${PD_MODEL:-dummy:llama3-8b}" --kv-connector cuda_ipc --kv-cache-memory-gb 16 \
         --num-decode 32 --decode-output-len 256 --num-long 16 --long-prompt-len 2000 \
-        --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "^[IWE]1" ;;
+        ${PD_EXTRA:-} --out-dir "$out" 2>&1 | grep --line-buffered -v -e Warn -e "^[IWE]1" ;;
     tp)
       status_all=0
       for n in ${TP_SIZES:-1 2}; do
