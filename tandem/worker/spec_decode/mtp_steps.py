@@ -147,7 +147,9 @@ class MTPSteps:
             plan.state.slot_ready = False
         ready: list[RequestState] = []
         for request_id, drafts in proposal.draft_token_ids.items():
-            state = self.batch.states[request_id]
+            state = self.batch.states.get(request_id)
+            if state is None:  # it ended, and was dropped, while this step ran
+                continue
             state.drafts = drafts
             state.draft_probs = proposal.draft_probs.get(request_id)
             output.num_drafts[request_id] = int(drafts.shape[0])
