@@ -19,6 +19,7 @@ parts are read with one wait.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -48,8 +49,8 @@ class LaunchedStep:
     output: ModelRunnerOutput
     advanced: bool  # request states were advanced at launch (plain decoding)
     resolved: bool = False  # an MTP step resolved on the device (drafted at launch)
-    # MTP: the step's other rows, launched after the read of the step in front of this one
-    # (this part holds the rows resolved on the device, launched before that read).
+    # MTP: the next part of the same step (rows launched after the read of the step in
+    # front of it: resolved ones, then ragged ones); the parts are read together.
     rest: LaunchedStep | None = None
 
 
@@ -109,29 +110,33 @@ class StepPipeline:
         self, step: SchedulerOutput, previous: LaunchedStep | None
     ) -> ModelRunnerOutput | None:
         """``step_ahead`` with an MTP head: the rows the device can resolve from their slots
-        are launched as one resolved step before ``previous`` is read; the rest (prompt
-        chunks, rows whose drafts the read brings) are launched after it."""
-        ahead = previous is not None
-        ready = [row for row in step.scheduled if self.mtp.row_resolvable(row, ahead)]
-        first = None
+        are launched as one resolved step before ``previous`` is read; after that read, the
+        rows it made resolvable are launched as a second resolved step, and the rest (prompt
+        chunks, sampled or near-the-end rows) as a ragged one. The parts are chained on the
+        first (``LaunchedStep.rest``) and read together."""
+        resolvable = self.mtp.row_resolvable
+        ready = [row for row in step.scheduled if resolvable(row, previous is not None)]
+        finished = step.finished_request_ids  # dropped by the first part launched
+        parts: list[LaunchedStep | None] = []
         if ready:
-            first = self._timed_launch(
-                SchedulerOutput(ready, step.finished_request_ids), resolvable=True
-            )
+            parts.append(self._timed_launch(SchedulerOutput(ready, finished), True))
+            finished = []
             if previous is not None:
                 self.num_launched_ahead += 1
         output = self.read(previous) if previous is not None else None
-        ready_ids = {id(row) for row in ready}
-        rest = [row for row in step.scheduled if id(row) not in ready_ids]
-        if rest:
-            finished = [] if first is not None else step.finished_request_ids
-            later = self._timed_launch(SchedulerOutput(rest, finished))
-            if first is None:
-                first = later
-            elif later is not None:
-                first.rest = later
-                later.output = first.output
-        self._launched = first
+        taken = {id(row) for row in ready}
+        later = [row for row in step.scheduled if id(row) not in taken]
+        resolved_now = [row for row in later if resolvable(row, False)]
+        ragged = [row for row in later if not resolvable(row, False)]
+        for rows, resolved in ((resolved_now, True), (ragged, False)):
+            if rows:
+                parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))
+                finished = []
+        launched = [part for part in parts if part is not None]
+        for part, after in itertools.pairwise(launched):
+            part.rest = after
+            after.output = launched[0].output
+        self._launched = launched[0] if launched else None
         return output
 
     @on_runner_device
@@ -264,7 +269,9 @@ class StepPipeline:
 
     def read(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step once, read its results and apply them."""
-        parts = [launched] + ([launched.rest] if launched.rest is not None else [])
+        parts = [launched]
+        while parts[-1].rest is not None:
+            parts.append(parts[-1].rest)
         pending = [part.reads for part in parts if part.reads is not None]
         hosts = iter(self.reader.read_all(pending) if pending else [])
         for part in parts:

@@ -124,9 +124,10 @@ def test_device_slots_agree_with_the_host_under_preemption_and_aborts(make_llm, 
         if steps == 6:
             for request_id in ids[::3]:
                 llm.abort_request(request_id)
-        in_flight = pipeline._launched
-        parts = [in_flight, in_flight.rest] if in_flight else []
-        held = {p.request_id for part in parts if part for p in part.inputs.plans}
+        held, part = set(), pipeline._launched
+        while part is not None:  # the parts of the step in flight
+            held |= {p.request_id for p in part.inputs.plans}
+            part = part.rest
         for request_id, state in pipeline.batch.states.items():
             if not state.slot_ready or request_id in held:
                 continue  # a step in flight has yet to be read for it
