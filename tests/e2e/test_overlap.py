@@ -215,16 +215,16 @@ def test_invariant_one_wait_per_step_host_waits_for_the_device_at_most_once_per_
     pipeline = llm.engine.pipeline
     stray: Counter = Counter()
     inside_reader = threading.Event()
-    read = pipeline.reader.read
+    read_all = pipeline.reader.read_all  # every read goes through it
 
-    def marked_read(tensors):
+    def marked_read(pendings):
         inside_reader.set()
         try:
-            return read(tensors)
+            return read_all(pendings)
         finally:
             inside_reader.clear()
 
-    monkeypatch.setattr(pipeline.reader, "read", marked_read)
+    monkeypatch.setattr(pipeline.reader, "read_all", marked_read)
 
     def counting(name):
         original = getattr(torch.Tensor, name)
