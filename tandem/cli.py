@@ -35,16 +35,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--speculative",
-        choices=["mtp"],
-        default=None,
-        help="speculative decoding method (default: MTP on CUDA when the model has an MTP "
-        "head: its checkpoint's MTP layers, the head shipped for the default model, or "
-        "--speculative-model; off on the CPU, where verifying k + 1 tokens costs more than "
-        "it saves)",
-    )
-    parser.add_argument(
-        "--no-speculative", action="store_true", help="no speculative decoding, on any device"
+        "--speculative", choices=["mtp"], default=None, help="speculative decoding method"
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument(
@@ -74,25 +65,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def speculative_method(args: argparse.Namespace) -> str | None:
-    """The speculative method the options ask for: ``--speculative`` when given, none with
-    ``--no-speculative``; by default MTP on CUDA when the model has a head (see the option's
-    help), and with ``--speculative-model`` on any device."""
-    if args.no_speculative:
-        if args.speculative or args.speculative_model:
-            raise SystemExit("--no-speculative contradicts --speculative/--speculative-model")
-        return None
-    if args.speculative or args.speculative_model:
-        return args.speculative or "mtp"
-    if not str(args.device).startswith("cuda"):
-        return None
-    from tandem.models.mtp import has_mtp_head
-
-    return "mtp" if has_mtp_head(args.model) else None
-
-
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine options of ``tandem generate`` and ``tandem serve``."""
     return {
         "device": args.device,
         "dtype": args.dtype,
@@ -102,7 +75,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
-        "speculative": speculative_method(args),
+        "speculative": args.speculative,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_model": args.speculative_model,
         "overlap": not args.no_overlap,

@@ -232,23 +232,6 @@ def _shipped_head(files) -> str:
     )
 
 
-def has_mtp_head(model: str | None) -> bool:
-    """Whether ``model`` (a path, ``dummy:NAME`` or None for the default model) comes with an
-    MTP head: MTP layers in its checkpoint, or the head shipped for the default model."""
-    from tandem.models.loader import ModelFiles
-
-    files = ModelFiles(model)
-    if files.is_dummy:
-        return False
-    if _checkpoint_layout(files) is not None:
-        return True
-    try:
-        _shipped_head(files)
-    except ValueError:
-        return False
-    return True
-
-
 def load_mtp_head(source: str | None, files, rotary, seed: int = 0) -> MTPHead:
     """The MTP head for ``files``'s model: ``source`` is a Tandem head directory, 'dummy'
     (random weights, for tests and benchmarks), or None (the checkpoint's own MTP layers,
