@@ -19,7 +19,7 @@ from tandem.models.loader import resolve_model
 from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, check_text
 from tandem.tokenizer import Tokenizer
 
 PromptType = str | dict
@@ -115,6 +115,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            check_text("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -169,8 +170,8 @@ class LLM:
                 f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params"
             )
         prepared = [self._prepare(p) for p in prompts]
-        for _, token_ids in prepared:
-            self.engine.limits.validate(token_ids)
+        for (_, token_ids), params in zip(prepared, sampling_params, strict=True):
+            self.engine.limits.validate(token_ids, self._with_end_tokens(params))
         order = [
             self.add_request({"prompt": text, "prompt_token_ids": ids}, params)
             for (text, ids), params in zip(prepared, sampling_params, strict=True)

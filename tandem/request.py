@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import ParamError, SamplingParams, is_int
 
 
 class RequestStatus(enum.Enum):
@@ -124,26 +124,30 @@ class PromptLimits:
     num_kv_blocks: int
     block_size: int
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError (naming the problem) if the prompt can never run here."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Raise ParamError (a ValueError naming the field) if the prompt can never run here,
+        or if ``params`` name a token id outside the vocabulary."""
+        if not isinstance(prompt_token_ids, list):
+            raise ParamError("prompt", "prompt token ids must be a list of integers")
         if not prompt_token_ids:
-            raise ValueError("prompt is empty")
+            raise ParamError("prompt", "prompt is empty")
         vocab = self.vocab_size
-        bad = [
-            t
-            for t in prompt_token_ids
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
-        ]
+        bad = [t for t in prompt_token_ids if not is_int(t) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids outside [0, {vocab}): {bad[:5]}")
+            shown = [t if is_int(t) and abs(t) < 1 << 64 else "..." for t in bad[:5]]
+            raise ParamError("prompt", f"prompt token ids outside [0, {vocab}): {shown}")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ParamError(
+                "prompt",
                 f"prompt is {len(prompt_token_ids)} tokens; the context is {self.max_model_len} "
-                "and at least one token must be generated"
+                "and at least one token must be generated",
             )
         needed = -(-(len(prompt_token_ids) + 1) // self.block_size)
         if needed > self.num_kv_blocks:
-            raise ValueError(
+            raise ParamError(
+                "prompt",
                 f"prompt is {len(prompt_token_ids)} tokens, more than the KV cache holds "
-                f"({self.num_kv_blocks} blocks of {self.block_size})"
+                f"({self.num_kv_blocks} blocks of {self.block_size})",
             )
+        if params is not None:
+            params.validate_for_vocab(vocab)

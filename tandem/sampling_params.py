@@ -3,9 +3,64 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Every integer a request carries must fit int64 (msgpack and the sampling tensors).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Output lengths and counts beyond this are nonsense for any context.
+MAX_COUNT = (1 << 31) - 1
+# A nonzero temperature below this divides logits into inf/NaN (denormals do).
+MIN_TEMPERATURE = 1e-5
+
+
+class ParamError(ValueError):
+    """A bad request parameter; ``param`` names the field (the API's ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def is_int(value: object) -> bool:
+    """True for a real integer (bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, low: int = INT64_MIN, high: int = INT64_MAX) -> None:
+    """Raise ParamError unless ``value`` is an integer in [low, high]."""
+    if not is_int(value):
+        raise ParamError(name, f"{name} must be an integer, got {_shown(value)}")
+    if not low <= value <= high:
+        raise ParamError(name, f"{name} must be in [{low}, {high}], got {_shown(value)}")
+
+
+def check_text(name: str, value: object) -> None:
+    """Raise ParamError unless ``value`` is a string of valid Unicode (no lone surrogates)."""
+    if not isinstance(value, str):
+        raise ParamError(name, f"{name} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParamError(name, f"{name} is not valid Unicode (at character {e.start})") from None
+
+
+def _finite_float(name: str, value: object) -> float:
+    """``value`` as a float; ParamError unless it is a finite number."""
+    if not is_int(value) and not isinstance(value, float):
+        raise ParamError(name, f"{name} must be a number, got {_shown(value)}")
+    if is_int(value) and abs(value) > 1 << 64:
+        raise ParamError(name, f"{name} must be finite, got {_shown(value)}")
+    if not math.isfinite(float(value)):
+        raise ParamError(name, f"{name} must be finite, got {_shown(value)}")
+    return float(value)
+
+
+def _shown(value: object) -> str:
+    """A short repr for messages (a huge list or int stays readable)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -38,38 +93,61 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ParamError(name, f"{name} must be a list, got {type(value).__name__}")
+            setattr(self, name, list(value or []))
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
 
     def _validate(self) -> None:
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        """Bounds that hold for every model; :meth:`validate_for_vocab` adds the vocabulary."""
 
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0")
+        def fail(name: str, why: str) -> None:
+            raise ParamError(name, f"{name} {why}, got {_shown(getattr(self, name))}")
+
+        for name in ("temperature", "top_p", "min_p"):
+            setattr(self, name, _finite_float(name, getattr(self, name)))
+        if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
+            fail("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            fail("top_k", "must be -1 (disabled) or >= 1")
         if not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            fail("max_tokens", "must be >= 1")
-        if self.min_tokens < 0:
-            fail("min_tokens", "must be >= 0")
+        check_int("top_k", self.top_k, -1)
+        if self.seed is not None:
+            check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1, MAX_COUNT)
+        check_int("min_tokens", self.min_tokens, 0, MAX_COUNT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                fail(name, f"must be in [0, {MAX_LOGPROBS}]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            fail("stop", "must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "must hold non-negative integers")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a boolean")
+        self._validate_lists()
+
+    def _validate_lists(self) -> None:
+        for stop in self.stop:
+            check_text("stop", stop)
+            if not stop:
+                raise ParamError("stop", f"stop must hold non-empty strings, got {self.stop!r}")
+        for token_id in self.stop_token_ids:
+            check_int("stop_token_ids", token_id, 0)
+        for token_id in self.eos_token_ids:
+            check_int("eos_token_ids", token_id, 0)
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise ParamError if a token id (stop or end token) is outside the vocabulary."""
+        for name in ("stop_token_ids", "eos_token_ids"):
+            bad = sorted(t for t in getattr(self, name) if t >= vocab_size)
+            if bad:
+                raise ParamError(name, f"{name} outside [0, {vocab_size}): {_shown(bad[:5])}")
 
     @property
     def greedy(self) -> bool:

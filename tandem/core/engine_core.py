@@ -213,7 +213,7 @@ class EngineCore:
                 f"{self.config.disagg.role!r}; only a decode instance takes "
                 "requests prefilled elsewhere"
             )
-        self.limits.validate(request.prompt_token_ids)
+        self.limits.validate(request.prompt_token_ids, request.sampling_params)
         self.scheduler.add_request(request)
         self.counters["num_requests_added"] += 1
         self.counters["num_prompt_tokens"] += request.num_prompt_tokens

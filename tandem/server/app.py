@@ -9,51 +9,22 @@ import time
 
 import httpx
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.sampling_params import ParamError, check_text
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, RequestFailed
+from tandem.server.errors import ApiError, install_error_handlers
 from tandem.server.metrics import ServerMetrics
 from tandem.server.openai_serving import RequestRun, prepare_chat, prepare_completion
 from tandem.server.protocol import (
     PREFILL_URL_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
-    error_body,
 )
 
 DISCONNECT_POLL_S = 0.2
 # PD: how long asking a prefill instance for its control address may take.
 PREFILL_INFO_TIMEOUT_S = 5.0
-
-
-class ApiError(Exception):
-    """An error with an HTTP status, rendered in the OpenAI error schema."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    """Render ApiError and FastAPI's body validation errors in the OpenAI error schema."""
-
-    @app.exception_handler(ApiError)
-    async def api_error(_, exc: ApiError):
-        return JSONResponse(error_body(exc.message, exc.kind, exc.status, exc.param), exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if isinstance(p, str) and p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc)
-        return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), 400)
 
 
 async def _respond(run: RequestRun, request: Request) -> Response:
@@ -70,6 +41,8 @@ async def _respond(run: RequestRun, request: Request) -> Response:
             return Response(status_code=499)
     try:
         return JSONResponse(task.result())
+    except ParamError as e:
+        raise ApiError(400, str(e), param=e.param) from e
     except ValueError as e:
         raise ApiError(400, str(e)) from e
     except EngineDeadError as e:
@@ -147,6 +120,13 @@ def _check_admission(
         raise ApiError(503, "server is over its request limit; retry later", "service_unavailable")
 
 
+def _check_strings(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """ParamError for a lone surrogate in a string field no later check reads."""
+    for name in ("model", "user"):
+        if getattr(body, name) is not None:
+            check_text(name, getattr(body, name))
+
+
 def build_app(
     client: AsyncEngineClient,
     served_model_name: str,
@@ -165,16 +145,19 @@ def build_app(
     app = FastAPI(title="Tandem", lifespan=lifespan)
     metrics = ServerMetrics(served_model_name)
     app.state.client, app.state.metrics = client, metrics
-    _install_error_handlers(app)
+    install_error_handlers(app)
     prefill_addresses = PrefillAddresses(client)
 
     authorized = [Depends(_api_key_check(api_key))]
 
     async def run(prepare, body, request: Request):
-        _check_admission(client, body.model, served_model_name, max_pending_requests)
         try:
+            _check_strings(body)
+            _check_admission(client, body.model, served_model_name, max_pending_requests)
             prepared = prepare(body, client)
-        except ValueError as e:
+        except ParamError as e:
+            raise ApiError(400, str(e), param=e.param) from e
+        except ValueError as e:  # the tokenizer's (a chat template's) own
             raise ApiError(400, str(e)) from e
         prefill_url = request.headers.get(PREFILL_URL_HEADER)
         if prefill_url:

@@ -217,10 +217,14 @@ class AsyncEngineClient:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+    def validate_prompt(
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
         """Reject what the core would reject, before it is sent (ValueError): the core's own
-        validation, with the limits it reported."""
-        self.info.limits.validate(prompt_token_ids)
+        validation, with the limits it reported (end tokens as the core will see them)."""
+        if params is not None:
+            params = replace(params, eos_token_ids=self.tokenizer.end_token_ids)
+        self.info.limits.validate(prompt_token_ids, params)
 
     async def generate(
         self,
@@ -237,7 +241,7 @@ class AsyncEngineClient:
         when None."""
         if self.dead:
             raise EngineDeadError(self.dead)
-        self.validate_prompt(prompt_token_ids)
+        self.validate_prompt(prompt_token_ids, params)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")

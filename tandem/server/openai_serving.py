@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.outputs import PositionLogprobs, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import ParamError, SamplingParams
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, RequestFailed
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -35,26 +35,38 @@ class PreparedRequest:
 
 
 def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> PreparedRequest:
+    """A validated completion request (ParamError names a bad field)."""
     prompt = body.single_prompt()
     if isinstance(prompt, str):
         text, token_ids = prompt, client.tokenizer.encode(prompt)
     else:
         text, token_ids = None, list(prompt)
-    return _prepared("completion", text, token_ids, body, body.max_tokens, client)
+    params = body.to_sampling_params(body.max_tokens, body.checked_logprobs())
+    return _prepared("completion", text, token_ids, params, body, client)
 
 
 def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> PreparedRequest:
+    """A validated chat request (ParamError names a bad field; a prompt problem names
+    ``messages``)."""
     if not body.messages:
-        raise ValueError("messages must not be empty")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        raise ParamError("messages", "messages must not be empty")
+    messages = [
+        {"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(body.messages)
+    ]
+    max_tokens, max_tokens_field = body.checked_max_tokens()
+    renamed = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
+    params = body.to_sampling_params(max_tokens, body.checked_logprobs(), renamed)
     token_ids = client.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    return _prepared("chat", None, token_ids, body, max_tokens, client)
+    try:
+        return _prepared("chat", None, token_ids, params, body, client)
+    except ParamError as e:
+        if e.param != "prompt":
+            raise
+        raise ParamError("messages", str(e)) from None
 
 
-def _prepared(kind, text, token_ids, body, max_tokens, client) -> PreparedRequest:
-    params = body.to_sampling_params(max_tokens, body.checked_logprobs())
-    client.validate_prompt(token_ids)
+def _prepared(kind, text, token_ids, params, body, client) -> PreparedRequest:
+    client.validate_prompt(token_ids, params)
     if params.max_tokens is None:
         params.max_tokens = client.info.max_model_len - len(token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

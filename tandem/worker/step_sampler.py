@@ -55,7 +55,8 @@ def sampling_batch(
     """The device tensors of ``params`` (one row each), with the rows' key ``seeds`` [N]
     (None where the batch only filters)."""
     greedy = [p.greedy for p in params]
-    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    # A top_k beyond the vocabulary keeps every token: clamped, so it never overflows a kernel.
+    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     sampled_rows = [i for i, g in enumerate(greedy) if not g]
