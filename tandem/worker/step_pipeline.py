@@ -126,8 +126,10 @@ class StepPipeline:
         output = self.read(previous) if previous is not None else None
         taken = {id(row) for row in ready}
         later = [row for row in step.scheduled if id(row) not in taken]
-        resolved_now = [row for row in later if resolvable(row, False)]
-        ragged = [row for row in later if not resolvable(row, False)]
+        resolved_now: list = []
+        ragged: list = []
+        for row in later:
+            (resolved_now if resolvable(row, False) else ragged).append(row)
         for rows, resolved in ((resolved_now, True), (ragged, False)):
             if rows:
                 parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))
