@@ -84,10 +84,16 @@ class PrefillRole:
         """Take new prefill requests and cancels; report finished transfers."""
         # Idle: wait for work (briefly while transfers run, to see them end soon).
         for message in self.channel.receive((1 if self._jobs else 10) if wait else 0):
-            if isinstance(message, PrefillTask):
-                self._start(message)
-            elif isinstance(message, PrefillCancel):
-                self._cancel(message.request_id)
+            try:
+                if isinstance(message, PrefillTask):
+                    self._start(message)
+                elif isinstance(message, PrefillCancel):
+                    self._cancel(message.request_id)
+            except Exception as error:  # noqa: BLE001 (a bad message never ends the core)
+                logger.error("dropped a %s message", message.TYPE, exc_info=error)
+                if isinstance(message, PrefillTask) and message.request_id not in self._jobs:
+                    self.core.abort_request(message.request_id)  # if it got in
+                    self._reply_failed(message.reply_to, message.request_id, f"bad task: {error}")
         self._report_started()
         self._reap()
         return []
