@@ -1,9 +1,10 @@
 """Fault isolation in the engine core (issue 19, hardening): a fault while handling one
-request fails that request with an error and frees its KV blocks, while the core keeps
-serving the others (DESIGN.md invariants 4 and 5: no block leaks, every request ends). A
-fault in batched device work that no one request is known to have caused fails the
-requests of the steps involved, never the core. A malformed or unexpected message to the
-core is dropped with a log line. With overlap scheduling on and off."""
+request (adding it, scheduling it, applying or detokenizing its results) fails that request
+with an error and frees its KV blocks, while the core keeps serving the others (DESIGN.md
+invariants 4 and 5: no block leaks, every request ends). A fault in batched device work that
+no one request is known to have caused fails the requests of the steps involved, never the
+core. A malformed or unexpected message to the core is dropped with a log line. With overlap
+scheduling on and off."""
 
 from __future__ import annotations
 
@@ -104,6 +105,36 @@ def test_a_fault_in_batched_sampling_fails_that_steps_requests_and_the_engine_se
     assert all("internal error in a batched step" in e.error for e in errors)
     assert "fault in a batched step" in caplog.text
     assert llm.engine.pipeline.batch.states == {}  # the failed requests' worker state is gone
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == clean
+
+
+class FaultyDetokenizer:
+    """A request's incremental detokenizer that raises from its ``after``-th token on."""
+
+    def __init__(self, detokenizer, after: int):
+        self._detokenizer = detokenizer
+        self._left = after
+
+    def append(self, token_ids):
+        self._left -= len(token_ids)
+        if self._left < 0:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected fault")
+        return self._detokenizer.append(token_ids)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_fault_detokenizing_one_request_fails_only_that_request(make_llm, overlap):
+    llm = make_llm(overlap=overlap)
+    clean = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    ids = [llm.add_request(prompt, GREEDY) for prompt in PROMPTS]
+    state = llm.processor.states[ids[FAULTY]]
+    state.detokenizer = FaultyDetokenizer(state.detokenizer, after=3)
+    finished = _run(llm, ids)
+    outputs = [finished[i] for i in ids]
+    assert outputs[FAULTY].outputs[0].finish_reason == "error"
+    assert ids[FAULTY] not in llm.engine.scheduler.requests  # ended in the core too
+    others = [i for i in range(len(PROMPTS)) if i != FAULTY]
+    assert [_tokens(outputs)[i] for i in others] == [clean[i] for i in others]
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == clean
 
 
