@@ -93,6 +93,7 @@ class PrefillRole:
                 logger.error("dropped a %s message", message.TYPE, exc_info=error)
                 if isinstance(message, PrefillTask) and message.request_id not in self._jobs:
                     self.core.abort_request(message.request_id)  # if it got in
+                    self.core.scheduler.release_held(message.request_id)
                     self._reply_failed(message.reply_to, message.request_id, f"bad task: {error}")
         self._report_started()
         self._reap()
