@@ -20,6 +20,12 @@ from tandem.messages import TO_ENGINE, AbortRequests, AddRejected, AddRequest, M
 PROMPTS = ["The capital of France is", "One, two, three,", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 FAULTY = 1  # the index of the request whose handling raises
+# Overlap off and on; on, also with an MTP head (its steps launch in parts).
+ENGINES = {
+    "sequential": {"overlap": False},
+    "overlap": {"overlap": True},
+    "overlap-mtp": {"overlap": True, "speculative": "mtp", "num_speculative_tokens": 3},
+}
 
 
 class FaultyParams:
@@ -75,9 +81,9 @@ def _run_with_fault(llm, attribute: str, after: int = 2):
     return [finished[i] for i in ids], errors
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_fault_in_one_requests_stop_check_fails_only_that_request(make_llm, overlap, caplog):
-    llm = make_llm(overlap=overlap)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_fault_in_one_requests_stop_check_fails_only_that_request(make_llm, engine, caplog):
+    llm = make_llm(**ENGINES[engine])
     clean = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     with caplog.at_level(logging.ERROR):
         outputs, errors = _run_with_fault(llm, "max_tokens")  # read by the stop check
@@ -91,11 +97,11 @@ def test_a_fault_in_one_requests_stop_check_fails_only_that_request(make_llm, ov
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == clean
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_fault_in_batched_sampling_fails_that_steps_requests_and_the_engine_serves_on(
-    make_llm, overlap, caplog
+    make_llm, engine, caplog
 ):
-    llm = make_llm(overlap=overlap)
+    llm = make_llm(**ENGINES[engine])
     clean = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     with caplog.at_level(logging.ERROR):
         outputs, errors = _run_with_fault(llm, "greedy")  # read while building the sampling
