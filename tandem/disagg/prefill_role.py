@@ -57,6 +57,7 @@ class _Job:
     future: Future | None = None
     started: bool = False  # the decode instance was told the request runs here
     cancelled: bool = False
+    error: str | None = None  # why the request failed here (a fault while it ran)
 
 
 class PrefillRole:
@@ -123,6 +124,7 @@ class PrefillRole:
             job.logprobs += update.new_logprobs
             job.prompt_logprobs += update.new_prompt_logprobs
             job.num_cached_tokens = update.num_cached_tokens
+            job.error = update.error
             if update.finish_reason is not None:
                 self._submit(job)
         return mine
@@ -159,8 +161,8 @@ class PrefillRole:
     def _submit(self, job: _Job) -> None:
         """The request finished its first token: write its prompt's blocks in the
         background (the step's device work is complete: its outputs were read)."""
-        if job.cancelled or not job.token_ids:
-            why = "cancelled" if job.cancelled else "no token was produced"
+        if job.cancelled or job.error is not None or not job.token_ids:
+            why = "cancelled" if job.cancelled else job.error or "no token was produced"
             self._reply_failed(job.reply_to, job.request_id, why)
             self._drop(job)
             return

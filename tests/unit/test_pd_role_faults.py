@@ -128,3 +128,25 @@ def test_a_prefill_task_that_raises_once_queued_leaves_no_request_nor_block(capl
         assert core.block_manager.all_blocks_free() and not role.busy
     finally:
         role._pool.shutdown(wait=True)
+
+
+def test_a_prefill_request_failed_by_a_fault_is_answered_with_its_error(monkeypatch):
+    monkeypatch.setattr("tandem.disagg.prefill_role.check_compatible", lambda mine, theirs: None)
+    core = _core()
+    channel = FakeChannel()
+    role = PrefillRole(core, channel, FakeConnector())
+    try:
+        channel.inbox = [
+            PrefillTask("tcp://decode/r", [1, 2, 3], SamplingParams(), reply_to="tcp://decode")
+        ]
+        role.poll(wait=False)
+        assert role.busy
+        core.scheduler.schedule()  # it runs: its blocks are taken
+        core.scheduler.fail_request("tcp://decode/r", "injected fault in its step")
+        assert role.after_step(core.scheduler.take_failed_updates()) == []
+        [(peer, answer)] = channel.sent
+        assert isinstance(answer, KVFailed) and answer.error == "injected fault in its step"
+        assert not role.busy and not core.scheduler.held
+        assert core.block_manager.all_blocks_free()
+    finally:
+        role._pool.shutdown(wait=True)
