@@ -140,6 +140,17 @@ class EngineCoreProcess:
         )
 
     def _handle(self, message: Message) -> None:
+        """Act on one client message. A fault while handling it ends only that message
+        (an AddRequest is rejected); the core serves on."""
+        try:
+            self._act(message)
+        except Exception as error:  # noqa: BLE001 (one message's fault never ends the core)
+            logger.error("engine core: handling a %s failed", message.TYPE, exc_info=error)
+            if isinstance(message, AddRequest):
+                why = f"internal error: {type(error).__name__}: {error}"
+                self._send(AddRejected(message.request_id, why))
+
+    def _act(self, message: Message) -> None:
         if isinstance(message, AddRequest):
             try:
                 request = Request(message.request_id, message.prompt_token_ids, message.params)
@@ -177,7 +188,9 @@ class EngineCoreProcess:
             return decode(frame, TO_ENGINE)
         except MessageError as e:
             logger.warning("engine core: dropped an input message: %s", e)
-            return None
+        except Exception as error:  # noqa: BLE001 (a frame decode did not foresee)
+            logger.error("engine core: dropped an input message", exc_info=error)
+        return None
 
     def _drain_inputs(self, block: bool) -> int:
         """Handle every waiting message (a follower: its leader's next turn, waiting for it

@@ -141,9 +141,11 @@ class LLM:
         """One engine step; returns the outputs of requests that made progress (with
         ``finished_only``, of those that finished)."""
         updates = self.engine.step()
-        outputs, stopped = self.processor.process(updates, finished_only=finished_only)
+        outputs, stopped, failed = self.processor.process(updates, finished_only=finished_only)
         for request_id, stop_string in stopped:
             self.engine.finish_request(request_id, stop_string)
+        for request_id, error in failed:  # their outputs say "error"
+            self.engine.scheduler.fail_request(request_id, error)
         return outputs
 
     # ---- batch API -----------------------------------------------------------------------

@@ -331,7 +331,7 @@ def from_wire(data, expected: tuple[type[Message], ...]) -> Message:
         try:
             if codec is not None and value is not None:
                 value = codec[1](value)
-        except (TypeError, ValueError, KeyError, IndexError) as e:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise MessageError(f"{kind}.{name}: {e}") from e
         if not _type_ok(value, hints[name]):
             raise MessageError(f"{kind}.{name}: expected {hints[name]}, got {type(value).__name__}")
@@ -343,6 +343,7 @@ def decode(frame: bytes, expected: tuple[type[Message], ...]) -> Message:
     """The message in one msgpack frame (see :func:`from_wire`)."""
     try:
         data = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        # TypeError: a map whose key is a list or a map (unhashable).
         raise MessageError(f"not a msgpack frame: {e}") from e
     return from_wire(data, expected)

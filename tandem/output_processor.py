@@ -3,6 +3,7 @@ logprob objects. Runs on the API side (the server process, or in-process for ``L
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from tandem.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -10,6 +11,8 @@ from tandem.request import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 from tandem.step import RequestUpdate
 from tandem.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,34 +80,59 @@ class OutputProcessor:
 
     def process(
         self, updates: list[RequestUpdate], delta: bool = False, finished_only: bool = False
-    ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+    ) -> tuple[list[RequestOutput], list[tuple[str, str]], list[tuple[str, str]]]:
         """Apply core updates. Returns the outputs (with ``finished_only``, those of the
         requests that finished: a caller that waits for whole results need not copy every
-        running request's tokens each step) and the (request id, stop string) pairs of
-        requests that a stop string ended, which the core must finish."""
+        running request's tokens each step), the (request id, stop string) pairs of
+        requests that a stop string ended, which the core must finish, and the (request id,
+        error) pairs of requests whose update raised here (detokenizing, a stop string):
+        they end with finish reason "error", and the core must end them too."""
         outputs: list[RequestOutput] = []
         stopped: list[tuple[str, str]] = []
+        failed: list[tuple[str, str]] = []
         for update in updates:
             state = self.states.get(update.request_id)
             if state is None:
                 continue  # aborted on this side already
-            state.num_cached_tokens = update.num_cached_tokens
-            if state.prompt_logprobs is not None:
-                state.prompt_logprobs += [self._position(e) for e in update.new_prompt_logprobs]
-            matched = self._append_tokens(state, update)
-            if matched is not None:
-                state.finish_reason, state.stop_reason = "stop", matched
-                if update.finish_reason is None:
-                    stopped.append((state.request_id, matched))
-            elif update.finish_reason is not None:
-                state.finish_reason, state.stop_reason = update.finish_reason, update.stop_reason
-                state.text += state.stop_matcher.flush()
-            if state.finished:
-                del self.states[state.request_id]
-            elif finished_only:
-                continue
-            outputs.append(self._output(state, delta))
-        return outputs, stopped
+            try:
+                output = self._apply_update(state, update, stopped, delta, finished_only)
+            except Exception as error:  # noqa: BLE001 (a fault fails only its request)
+                logger.error("request %s failed", state.request_id, exc_info=error)
+                failed.append(
+                    (state.request_id, f"internal error: {type(error).__name__}: {error}")
+                )
+                state.finish_reason, state.stop_reason = "error", None
+                self.states.pop(state.request_id, None)
+                output = self._output(state, delta)
+            if output is not None:
+                outputs.append(output)
+        return outputs, stopped, failed
+
+    def _apply_update(
+        self,
+        state: RequestState,
+        update: RequestUpdate,
+        stopped: list[tuple[str, str]],
+        delta: bool,
+        finished_only: bool,
+    ) -> RequestOutput | None:
+        """Apply one update to its request's state; the output to hand out, if any."""
+        state.num_cached_tokens = update.num_cached_tokens
+        if state.prompt_logprobs is not None:
+            state.prompt_logprobs += [self._position(e) for e in update.new_prompt_logprobs]
+        matched = self._append_tokens(state, update)
+        if matched is not None:
+            state.finish_reason, state.stop_reason = "stop", matched
+            if update.finish_reason is None:
+                stopped.append((state.request_id, matched))
+        elif update.finish_reason is not None:
+            state.finish_reason, state.stop_reason = update.finish_reason, update.stop_reason
+            state.text += state.stop_matcher.flush()
+        if state.finished:
+            del self.states[state.request_id]
+        elif finished_only:
+            return None
+        return self._output(state, delta)
 
     def _append_tokens(self, state: RequestState, update: RequestUpdate) -> str | None:
         """Add new tokens one by one; stop at the first stop string (returned)."""

@@ -214,9 +214,10 @@ class EngineCore:
                 "requests prefilled elsewhere"
             )
         self.limits.validate(request.prompt_token_ids, request.sampling_params)
-        self.scheduler.add_request(request)
+        num_prompt_tokens = request.num_prompt_tokens
+        self.scheduler.add_request(request)  # last: a request that raises is not queued
         self.counters["num_requests_added"] += 1
-        self.counters["num_prompt_tokens"] += request.num_prompt_tokens
+        self.counters["num_prompt_tokens"] += num_prompt_tokens
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request wherever it is; returns False for unknown or finished ids."""
@@ -250,17 +251,52 @@ class EngineCore:
         step's device work, then reads the one before it, which is applied here). PD roles
         first take their peers' messages (waiting briefly when nothing else is to do)."""
         if self.pd is None:
-            updates = self._step()
+            updates = self._contained_step()
         else:
             scheduler = self.scheduler
             idle = not (scheduler.running or scheduler.waiting or self._in_flight is not None)
             updates = self.pd.poll(wait=idle)  # nothing to compute: wait for peers, briefly
-            updates += self.pd.after_step(self._step())
+            updates += self.pd.after_step(self._contained_step())
         if self._in_flight is None:
             # No step holds the requests that just ended: the worker forgets them now
             # rather than at the next step, which may never come.
             self.pipeline.drop_requests(self.scheduler.take_finished_ids())
         return updates
+
+    def _contained_step(self) -> list[RequestUpdate]:
+        """``_step`` with faults contained: one that a request causes fails it (caught per
+        request by the scheduler), one in the device work fails the requests of the steps
+        involved, any other the running ones; the engine serves on. The failed requests'
+        error updates are among those returned."""
+        try:
+            updates = self._step()
+        except Exception as error:  # noqa: BLE001 (contained: the requests fail, not the core)
+            self._in_flight = None
+            running = [request.request_id for request in self.scheduler.running]
+            self._fail_requests(running, "the engine's step", error)
+            updates = []
+        return updates + self.scheduler.take_failed_updates()
+
+    def _run_steps(self, steps: list[SchedulerOutput | None], run) -> tuple[bool, object]:
+        """(True, ``run()``): the pipeline's device work for ``steps``; if it raises,
+        (False, None) after the requests of ``steps`` fail and the pipeline forgets its
+        launched step."""
+        try:
+            return True, run()
+        except Exception as error:  # noqa: BLE001 (contained: the requests fail, not the core)
+            ids = [row.request.request_id for step in steps if step for row in step.scheduled]
+            self._fail_requests(ids, "a batched step", error)
+            return False, None
+
+    def _fail_requests(self, request_ids: list[str], where: str, error: Exception) -> None:
+        """Fail ``request_ids`` after a fault in ``where`` that no one request is known to
+        have caused; the pipeline forgets its launched step and their worker state."""
+        logger.error("fault in %s: its requests fail, the engine goes on", where, exc_info=error)
+        message = f"internal error in {where}: {type(error).__name__}: {error}"
+        for request_id in dict.fromkeys(request_ids):
+            self.scheduler.fail_request(request_id, message)
+        self.pipeline.discard_launched()
+        self.pipeline.drop_requests(self.scheduler.take_finished_ids())
 
     def _clocks(self) -> tuple[float, float, float, float]:
         """Cumulative seconds: waiting for the device, the device's own step time (when
@@ -282,11 +318,14 @@ class EngineCore:
                 if step.finished_request_ids:
                     self.pipeline.execute(step)  # drop per-request state of finished requests
                 return []
-            return self._apply(step, self.pipeline.execute(step))
+            ran, results = self._run_steps([step], lambda: self.pipeline.execute(step))
+            return self._apply(step, results) if ran else []
         previous, self._in_flight = self._in_flight, None
         if previous is None and step.is_empty and not step.finished_request_ids:
             return []
-        output = self.pipeline.step_ahead(step)
+        ran, output = self._run_steps([step, previous], lambda: self.pipeline.step_ahead(step))
+        if not ran:
+            return []  # the fault failed both steps' requests
         if not step.is_empty:
             self._in_flight = step
         if previous is None:
@@ -326,7 +365,8 @@ class EngineCore:
         if self._in_flight is None:
             return []
         step, self._in_flight = self._in_flight, None
-        return self._apply(step, self.pipeline.read_in_flight())
+        ran, results = self._run_steps([step], self.pipeline.read_in_flight)
+        return self._apply(step, results) if ran else []
 
     def shutdown(self) -> None:
         """Finish the step in flight and give the device memory (KV cache, CUDA graphs)

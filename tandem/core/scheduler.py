@@ -2,20 +2,20 @@
 
 Plain Python (no torch). A scheduled step is {request: number of new tokens} plus draft
 tokens: prefill, chunked prefill and decode are one shape. The scheduler owns every request's
-lifecycle; the model runner only computes.
+lifecycle (its request table: ``request_table.py``); the model runner only computes. A fault
+while scheduling a request or applying its results fails that request alone.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 from tandem.config import SchedulerConfig
 from tandem.core.kv_cache import BlockManager
+from tandem.core.request_table import RequestTable
 from tandem.request import Request, RequestStatus, TokenLogprobs
 from tandem.step import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 
 
-class Scheduler:
+class Scheduler(RequestTable):
     """Decides which requests run in each step and applies each step's results."""
 
     def __init__(
@@ -32,53 +32,9 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * num_speculative_tokens
-        self.block_manager = block_manager
+        super().__init__(block_manager)
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        # PD, decode side: requests whose prompt's KV comes from a prefill instance, before
-        # their blocks are reserved (waiting_remote) and after (receiving).
-        self.waiting_remote: deque[Request] = deque()
-        self.receiving: dict[str, Request] = {}
-        # Finished requests whose blocks a KV transfer may still read or write; freed by
-        # release_held.
-        self.held: dict[str, Request] = {}
-        self._finished_ids: list[str] = []
         self.num_preemptions = 0
-
-    # ---- admission and abort -------------------------------------------------------------
-
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        (self.waiting_remote if request.remote_prefill else self.waiting).append(request)
-
-    def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request as aborted and free its blocks; unknown ids are ignored."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_remote or self.receiving)
-
-    def take_finished_ids(self) -> list[str]:
-        """The requests finished since the last step was scheduled (which the next step
-        would report), now; they are not reported again."""
-        finished, self._finished_ids = self._finished_ids, []
-        return finished
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_remote) + len(self.receiving)
 
     # ---- PD: requests whose prompt's KV comes from elsewhere -----------------------------
 
@@ -150,33 +106,14 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            follow_up = request.num_in_flight > 0 and request.in_flight_samples
-            if follow_up and self._ends_in_flight(request):
-                index += 1  # its sampling row in flight finishes it: no row to follow
-                continue
-            if follow_up:
-                num_new, num_alloc = self._follow_up_tokens(request, budget)
-            else:
-                num_new = num_alloc = self._num_new_tokens(request, budget)
-            if num_new <= 0:
-                index += 1
-                continue
-            while not self.block_manager.allocate_slots(
-                request, num_alloc, num_lookahead_tokens=self._lookahead(request, num_alloc)
-            ):
-                # A request with a row in flight is never preempted: its results are coming.
-                victim = next((r for r in reversed(self.running) if not r.num_in_flight), None)
-                if victim is None:
-                    index += 1  # wait for the step in flight
-                    break
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                scheduled.append(self._row(request, num_new, follow_up))
-                budget -= num_new
-                index += 1
+            try:
+                index, budget, preempted = self._schedule_running(
+                    request, index, budget, scheduled, preempted
+                )
+            except Exception as error:  # noqa: BLE001 (a fault fails only its request)
+                self.fail_request(request.request_id, error)
+                if request in self.running[index : index + 1]:
+                    index += 1  # not removed: never retry it in this step
 
         while (
             not preempted
@@ -185,22 +122,69 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hit_blocks, num_hit_tokens = self.block_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            lookahead = self._lookahead(request, num_new, num_hit_tokens)
-            if not self.block_manager.allocate_slots(request, num_new, hit_blocks, lookahead):
+            try:
+                budget = self._admit(request, budget, scheduled)
+            except Exception as error:  # noqa: BLE001 (a fault fails only its request)
+                self.fail_request(request.request_id, error)
+                budget = budget if request not in self.waiting[:1] else None
+            if budget is None:
                 break
-            self.waiting.popleft()
-            request.num_computed_tokens = num_hit_tokens
-            request.num_cached_tokens = num_hit_tokens
-            request.num_draft_tokens = 0
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(self._row(request, num_new, follow_up=False, admitted=True))
-            budget -= num_new
 
         finished_ids, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished_ids)
+
+    def _schedule_running(
+        self,
+        request: Request,
+        index: int,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        preempted: bool,
+    ) -> tuple[int, int, bool]:
+        """Give the running request at ``index`` its row if it has work and blocks (other
+        requests may be preempted for them); returns the next index, budget and whether
+        anything was preempted."""
+        follow_up = request.num_in_flight > 0 and request.in_flight_samples
+        if follow_up and self._ends_in_flight(request):
+            return index + 1, budget, preempted  # its sampling row in flight finishes it
+        if follow_up:
+            num_new, num_alloc = self._follow_up_tokens(request, budget)
+        else:
+            num_new = num_alloc = self._num_new_tokens(request, budget)
+        if num_new <= 0:
+            return index + 1, budget, preempted
+        while not self.block_manager.allocate_slots(
+            request, num_alloc, num_lookahead_tokens=self._lookahead(request, num_alloc)
+        ):
+            # A request with a row in flight is never preempted: its results are coming.
+            victim = next((r for r in reversed(self.running) if not r.num_in_flight), None)
+            if victim is None:
+                return index + 1, budget, preempted  # wait for the step in flight
+            self._preempt(victim)
+            preempted = True
+            if victim is request:
+                return index, budget, preempted
+        scheduled.append(self._row(request, num_new, follow_up))
+        return index + 1, budget - num_new, preempted
+
+    def _admit(
+        self, request: Request, budget: int, scheduled: list[ScheduledRequest]
+    ) -> int | None:
+        """Admit the first waiting request if its blocks fit; returns the budget left, or
+        None when it must wait."""
+        hit_blocks, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit_tokens, budget)
+        lookahead = self._lookahead(request, num_new, num_hit_tokens)
+        if not self.block_manager.allocate_slots(request, num_new, hit_blocks, lookahead):
+            return None
+        self.waiting.popleft()
+        request.num_computed_tokens = num_hit_tokens
+        request.num_cached_tokens = num_hit_tokens
+        request.num_draft_tokens = 0
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled.append(self._row(request, num_new, follow_up=False, admitted=True))
+        return budget - num_new
 
     def _ends_in_flight(self, request: Request) -> bool:
         """The sampling row in flight emits at least one token, which reaches max_tokens
@@ -279,43 +263,54 @@ class Scheduler:
             request.num_in_flight -= 1
             if request.is_finished:
                 continue  # finished or aborted while the step ran: its results are dropped
-            request_id = request.request_id
-            sampled = runner_output.sampled_token_ids.get(request_id, [])
-            if sampled:
-                # KV stays valid for the known tokens and the accepted drafts: every new
-                # token but the last (whose KV the next step computes).
-                request.num_computed_tokens = request.num_tokens + len(sampled) - 1
-                self._count_drafts(
-                    runner_output.num_verified_drafts.get(request_id, 0), len(sampled) - 1
-                )
-                if request.num_in_flight:
-                    # The follow-up row in flight starts here and runs at most 1 + k tokens.
-                    request.in_flight_end = min(
-                        request.in_flight_end,
-                        request.num_computed_tokens + 1 + self.num_speculative_tokens,
-                    )
-            # Before any stop check: finishing frees the blocks.
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
-            new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
-            request.prompt_logprobs.extend(new_prompt_logprobs)
-            new_tokens, new_logprobs = self._append_tokens(
-                request, sampled, runner_output.logprobs.get(request_id, [])
-            )
-            if sampled and not request.is_finished:
-                request.num_draft_tokens = runner_output.num_drafts.get(request_id, 0)
-            if new_tokens or new_prompt_logprobs or request.is_finished:
-                updates.append(
-                    RequestUpdate(
-                        request_id=request_id,
-                        new_token_ids=new_tokens,
-                        new_logprobs=new_logprobs,
-                        new_prompt_logprobs=new_prompt_logprobs,
-                        finish_reason=request.finish_reason,
-                        stop_reason=request.stop_reason,
-                        num_cached_tokens=request.num_cached_tokens,
-                    )
-                )
+            try:
+                update = self._apply_row(request, runner_output)
+            except Exception as error:  # noqa: BLE001 (a fault fails only its request)
+                self.fail_request(request.request_id, error)
+                continue
+            if update is not None:
+                updates.append(update)
         return updates
+
+    def _apply_row(
+        self, request: Request, runner_output: ModelRunnerOutput
+    ) -> RequestUpdate | None:
+        """Advance one request by its row's results; its update, if it has news."""
+        request_id = request.request_id
+        sampled = runner_output.sampled_token_ids.get(request_id, [])
+        if sampled:
+            # KV stays valid for the known tokens and the accepted drafts: every new
+            # token but the last (whose KV the next step computes).
+            request.num_computed_tokens = request.num_tokens + len(sampled) - 1
+            self._count_drafts(
+                runner_output.num_verified_drafts.get(request_id, 0), len(sampled) - 1
+            )
+            if request.num_in_flight:
+                # The follow-up row in flight starts here and runs at most 1 + k tokens.
+                request.in_flight_end = min(
+                    request.in_flight_end,
+                    request.num_computed_tokens + 1 + self.num_speculative_tokens,
+                )
+        # Before any stop check: finishing frees the blocks.
+        self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+        new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id, [])
+        request.prompt_logprobs.extend(new_prompt_logprobs)
+        new_tokens, new_logprobs = self._append_tokens(
+            request, sampled, runner_output.logprobs.get(request_id, [])
+        )
+        if sampled and not request.is_finished:
+            request.num_draft_tokens = runner_output.num_drafts.get(request_id, 0)
+        if not (new_tokens or new_prompt_logprobs or request.is_finished):
+            return None
+        return RequestUpdate(
+            request_id=request_id,
+            new_token_ids=new_tokens,
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs=new_prompt_logprobs,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
 
     def _append_tokens(
         self, request: Request, sampled: list[int], sampled_logprobs: list[TokenLogprobs]
@@ -356,28 +351,3 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_LENGTH)
             return True
         return False
-
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:
-        """End a request from outside the step loop (a stop string matched, an error)."""
-        request = self.requests.get(request_id)
-        if request is not None:
-            request.stop_reason = stop_reason
-            self._finish(request, status)
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.is_finished:
-            return
-        request.status = status
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        elif request in self.waiting_remote:
-            self.waiting_remote.remove(request)
-        receiving = self.receiving.pop(request.request_id, None) is not None
-        self._finished_ids.append(request.request_id)
-        if request.hold_blocks or receiving:
-            self.held[request.request_id] = request  # a transfer may still use the blocks
-        else:
-            self.block_manager.free(request)
-        self.requests.pop(request.request_id, None)

@@ -80,27 +80,42 @@ class DecodeRole:
         updates: list[RequestUpdate] = []
         for message in self.channel.receive(10 if wait else 0):
             request_id = message.request_id.removeprefix(self._prefix)
-            pending = self._pending.get(request_id)
-            if pending is None:
-                continue
-            if isinstance(message, (PrefillStarted, KVTransferring)):
-                # The prefill instance runs it, then writes its KV: the clock restarts.
-                pending.sent_at = time.monotonic()
-                pending.transferring_at = pending.sent_at
-                continue
-            pending.answered = True
-            if isinstance(message, KVReady):
-                latency = time.monotonic() - pending.transferring_at
-                self.counters["pd_handoffs"] += 1
-                self.counters["pd_handoff_s_sum"] += latency
-                self.counters["pd_handoff_s_max"] = max(self.counters["pd_handoff_s_max"], latency)
-                updates += self._insert(request_id, message)
-            elif isinstance(message, KVFailed) and request_id in self.core.scheduler.receiving:
-                updates += self._fail(
-                    request_id, f"prefill instance {pending.prefill} failed: {message.error}"
+            try:
+                updates += self._on_answer(request_id, message)
+            except Exception as error:  # noqa: BLE001 (a bad answer fails its request only)
+                logger.error(
+                    "dropped a %s message for %s", message.TYPE, request_id, exc_info=error
                 )
+                if request_id in self._pending and request_id in self.core.scheduler.requests:
+                    updates += self._fail(
+                        request_id, f"bad answer from the prefill instance: {error}"
+                    )
         updates += self._expire()
         updates += self._ask()
+        return updates
+
+    def _on_answer(self, request_id: str, message) -> list[RequestUpdate]:
+        """Apply one prefill instance's message about ``request_id``; its updates."""
+        updates: list[RequestUpdate] = []
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return updates
+        if isinstance(message, (PrefillStarted, KVTransferring)):
+            # The prefill instance runs it, then writes its KV: the clock restarts.
+            pending.sent_at = time.monotonic()
+            pending.transferring_at = pending.sent_at
+            return updates
+        pending.answered = True
+        if isinstance(message, KVReady):
+            latency = time.monotonic() - pending.transferring_at
+            self.counters["pd_handoffs"] += 1
+            self.counters["pd_handoff_s_sum"] += latency
+            self.counters["pd_handoff_s_max"] = max(self.counters["pd_handoff_s_max"], latency)
+            updates += self._insert(request_id, message)
+        elif isinstance(message, KVFailed) and request_id in self.core.scheduler.receiving:
+            updates += self._fail(
+                request_id, f"prefill instance {pending.prefill} failed: {message.error}"
+            )
         return updates
 
     def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:

@@ -57,6 +57,7 @@ class _Job:
     future: Future | None = None
     started: bool = False  # the decode instance was told the request runs here
     cancelled: bool = False
+    error: str | None = None  # why the request failed here (a fault while it ran)
 
 
 class PrefillRole:
@@ -84,10 +85,17 @@ class PrefillRole:
         """Take new prefill requests and cancels; report finished transfers."""
         # Idle: wait for work (briefly while transfers run, to see them end soon).
         for message in self.channel.receive((1 if self._jobs else 10) if wait else 0):
-            if isinstance(message, PrefillTask):
-                self._start(message)
-            elif isinstance(message, PrefillCancel):
-                self._cancel(message.request_id)
+            try:
+                if isinstance(message, PrefillTask):
+                    self._start(message)
+                elif isinstance(message, PrefillCancel):
+                    self._cancel(message.request_id)
+            except Exception as error:  # noqa: BLE001 (a bad message never ends the core)
+                logger.error("dropped a %s message", message.TYPE, exc_info=error)
+                if isinstance(message, PrefillTask) and message.request_id not in self._jobs:
+                    self.core.abort_request(message.request_id)  # if it got in
+                    self.core.scheduler.release_held(message.request_id)
+                    self._reply_failed(message.reply_to, message.request_id, f"bad task: {error}")
         self._report_started()
         self._reap()
         return []
@@ -116,6 +124,7 @@ class PrefillRole:
             job.logprobs += update.new_logprobs
             job.prompt_logprobs += update.new_prompt_logprobs
             job.num_cached_tokens = update.num_cached_tokens
+            job.error = update.error
             if update.finish_reason is not None:
                 self._submit(job)
         return mine
@@ -152,8 +161,8 @@ class PrefillRole:
     def _submit(self, job: _Job) -> None:
         """The request finished its first token: write its prompt's blocks in the
         background (the step's device work is complete: its outputs were read)."""
-        if job.cancelled or not job.token_ids:
-            why = "cancelled" if job.cancelled else "no token was produced"
+        if job.cancelled or job.error is not None or not job.token_ids:
+            why = "cancelled" if job.cancelled else job.error or "no token was produced"
             self._reply_failed(job.reply_to, job.request_id, why)
             self._drop(job)
             return

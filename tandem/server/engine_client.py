@@ -202,10 +202,19 @@ class AsyncEngineClient:
             queue = self._queues.get(update.request_id)
             if queue is not None:
                 queue.put_nowait(RequestFailed(update.error))
-        outputs, stopped = self.processor.process(updates, delta=True)
+        outputs, stopped, failed = self.processor.process(updates, delta=True)
         for request_id, stop_string in stopped:
             await self._send(FinishRequest(request_id, stop_string))
+        if failed:  # detokenizing (or a stop string) raised: the core ends them too
+            await self._send(AbortRequests([request_id for request_id, _ in failed]))
+        for request_id, error in failed:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(RequestFailed(error))
+        failed_ids = {request_id for request_id, _ in failed}
         for output in outputs:
+            if output.request_id in failed_ids:
+                continue
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)

@@ -157,6 +157,13 @@ class StepPipeline:
         finally:
             self.launch_seconds += time.perf_counter() - started
 
+    def discard_launched(self) -> None:
+        """After a fault: forget the launched step, unread (its requests have failed; the
+        caller drops them), once its device work has ended."""
+        self._launched = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def drop_requests(self, request_ids: list[str]) -> None:
         """Forget ended requests; their device slots are freed once no launched step can
         still touch them."""
