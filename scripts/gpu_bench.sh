@@ -14,7 +14,8 @@
 #               requests at once at the largest batch size, outputs of the dataset's
 #               lengths capped at STEADY_MAX_TOKENS (default 256). With ORACLE set (rates,
 #               e.g. 0.19,0.456: expected acceptance lengths 3.0 and 2.0 at k = 3; 0: 4.0)
-#               a second run on ORACLE_MODEL (default dummy:llama3-8b, no trained head):
+#               a second run on ORACLE_MODEL (default dummy:llama3-8b-peaked: random
+#               weights whose greedy choices are not near-ties; no trained head):
 #               ORACLE_MODES (default overlap) at ORACLE_BATCH_SIZES (default 1,64), which
 #               record greedy outputs, then mtp+overlap with the oracle proposer replaying
 #               them at each corruption rate; ORACLE_STEADY_REQUESTS (default 256) steady
@@ -91,7 +92,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       if [ -n "${ORACLE:-}" ]; then
         clean_gpus
         timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda \
-          --model "${ORACLE_MODEL:-dummy:llama3-8b}" --batch-sizes "${ORACLE_BATCH_SIZES:-1,64}" \
+          --model "${ORACLE_MODEL:-dummy:llama3-8b-peaked}" --batch-sizes "${ORACLE_BATCH_SIZES:-1,64}" \
           --max-tokens "${MAX_TOKENS:-128}" --modes "${ORACLE_MODES:-overlap}" $rows \
           --steady-state-requests "${ORACLE_STEADY_REQUESTS:-256}" --oracle-corruption "$ORACLE" \
           --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn \

@@ -154,8 +154,17 @@ DUMMY_PRESETS: dict[str, ModelArchConfig] = {
 }
 
 
+# A dummy model name ending in this gets weights whose greedy choices are far from ties
+# (``tandem.models.loader``): same architecture, same compute.
+PEAKED_SUFFIX = "-peaked"
+
+
 def dummy_preset(name: str) -> ModelArchConfig:
-    """The architecture of a named dummy model (random weights)."""
-    if name not in DUMMY_PRESETS:
-        raise ValueError(f"unknown dummy model {name!r}; choose one of {sorted(DUMMY_PRESETS)}")
-    return replace(DUMMY_PRESETS[name])
+    """The architecture of a named dummy model (random weights); ``NAME-peaked`` is NAME's."""
+    base = name.removesuffix(PEAKED_SUFFIX)
+    if base not in DUMMY_PRESETS:
+        raise ValueError(
+            f"unknown dummy model {name!r}; choose one of {sorted(DUMMY_PRESETS)}, "
+            f"each also as NAME{PEAKED_SUFFIX}"
+        )
+    return replace(DUMMY_PRESETS[base])
