@@ -13,6 +13,7 @@ from tandem import SamplingParams
 from tandem.worker.spec_decode.oracle_proposer import (
     corruption_hash,
     expected_acceptance_length,
+    request_key,
 )
 
 K = 3
@@ -151,3 +152,18 @@ def test_the_corruption_hash_is_deterministic_and_splits_at_the_rate():
         assert share == pytest.approx(rate, abs=0.01)
     assert expected_acceptance_length(0.0, K) == K + 1
     assert expected_acceptance_length(1.0, K) == 1.0
+
+
+def test_each_request_key_corrupts_its_own_positions():
+    """Requests of one run cover the same few hundred positions: keyed by the request too,
+    their corruptions are independent draws, and the run's share is the set rate."""
+    rate, threshold = 0.19, round(0.19 * (1 << 24))
+    positions = torch.arange(100, 300)[:, None]
+    draft_index = torch.arange(K)
+    keys = [request_key(tuple(range(i, i + 20))) for i in range(64)]
+    masks = [corruption_hash(positions, draft_index, key) < threshold for key in keys]
+    both = (masks[0] == masks[1]).float().mean().item()
+    assert both == pytest.approx(rate**2 + (1 - rate) ** 2, abs=0.05)
+    share = torch.stack(masks).float().mean().item()
+    assert share == pytest.approx(rate, abs=0.005)
+    assert len(set(keys)) == len(keys)

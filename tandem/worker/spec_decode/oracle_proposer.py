@@ -5,9 +5,12 @@ acceptance length on a model without a trained MTP head (``speculative="oracle"`
 The benchmark first decodes its prompts without speculation and hands the outputs over
 (``set_recordings``, keyed by the prompt's token ids). When a request first drafts, its
 recording is written into a device table row of the request's slot, indexed by absolute
-position. A request whose last known token sits at position p drafts the table's tokens at
-p+1..p+k; draft j is replaced by another token when a hash of (its position, j) falls under
-the corruption rate. A draft is accepted only if every draft before it is, so with rate r
+position, beside the request's key (a CRC of its prompt). A request whose last known token
+sits at position p drafts the table's tokens at p+1..p+k; draft j is replaced by another
+token when a hash of (the key, its position, j) falls under the corruption rate. The key
+makes each request's corruptions its own: keyed by position alone, every request of a run
+would share one pattern (a sample of a few hundred positions, whose rate strays from the
+set one by several points). A draft is accepted only if every draft before it is, so with rate r
 the expected acceptance length is 1 + sum over j = 1..k of (1 - r)^j (the target following
 its recording). Past the recording (and without one) the table holds token 0, drafted
 (and corrupted) like any other.
@@ -17,6 +20,8 @@ static tensors: a resolved step's CUDA graph records it as it is.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 
@@ -29,16 +34,24 @@ _HASH_BITS = 24
 _MASK32 = 0xFFFFFFFF
 
 
-def corruption_hash(positions: torch.Tensor, draft_index: torch.Tensor) -> torch.Tensor:
-    """A deterministic hash in [0, 2^24) of each (position, draft index) pair (int64
-    tensors that broadcast). Every product stays below 2^63: no overflow on any device."""
-    x = (positions * 0x27D4EB2F + (draft_index + 1) * 0x165667B1) & _MASK32
+def corruption_hash(
+    positions: torch.Tensor, draft_index: torch.Tensor, keys: torch.Tensor | int = 0
+) -> torch.Tensor:
+    """A deterministic hash in [0, 2^24) of each (request key, position, draft index)
+    (int64 tensors that broadcast; keys in [0, 2^32)). Every product stays below 2^63: no
+    overflow on any device."""
+    x = (keys * 0x2545F491 + positions * 0x27D4EB2F + (draft_index + 1) * 0x165667B1) & _MASK32
     x = x ^ (x >> 15)
     x = (x * 0x2C1B3C6D) & _MASK32
     x = x ^ (x >> 12)
     x = (x * 0x297A2D39) & _MASK32
     x = x ^ (x >> 15)
     return x & ((1 << _HASH_BITS) - 1)
+
+
+def request_key(prompt_token_ids: tuple[int, ...]) -> int:
+    """A request's corruption key: the CRC-32 of its prompt (the same in every run)."""
+    return zlib.crc32(repr(prompt_token_ids).encode())
 
 
 def expected_acceptance_length(corruption: float, num_drafts: int) -> float:
@@ -75,6 +88,7 @@ class OracleProposer:
         self.width = max_model_len + 2 * num_drafts + 2
         self.draft_index = torch.arange(num_drafts, device=device)
         self.table = torch.zeros((1, self.width), dtype=torch.long, device=device)
+        self.keys = torch.zeros(1, dtype=torch.long, device=device)  # per slot
         self.recordings: dict[tuple[int, ...], list[int]] = {}
         self.batch: InputBatch | None = None
         self.owners: dict[int, str] = {}  # slot -> the request whose recording its row holds
@@ -97,6 +111,9 @@ class OracleProposer:
             grown = torch.zeros((rows, self.width), dtype=torch.long, device=self.device)
             grown[: self.table.shape[0]] = self.table
             self.table = grown
+            keys = torch.zeros(rows, dtype=torch.long, device=self.device)
+            keys[: self.keys.shape[0]] = self.keys
+            self.keys = keys
 
     def _write_row(self, request_id: str) -> int:
         """The request's slot, its row holding the request's recording (written the first
@@ -108,7 +125,9 @@ class OracleProposer:
         self._grow(self.batch.slots.capacity)
         self.table[slot].zero_()
         prompt_len = state.num_prompt_tokens
-        recording = self.recordings.get(tuple(state.token_ids[:prompt_len]))
+        prompt = tuple(state.token_ids[:prompt_len])
+        self.keys[slot] = request_key(prompt)
+        recording = self.recordings.get(prompt)
         if recording is None:
             self.num_unrecorded_requests += 1
         else:
@@ -127,7 +146,8 @@ class OracleProposer:
         positions = last_positions[:, None] + 1 + self.draft_index
         index = slot_ids[:, None] * self.width + positions.clamp(max=self.width - 1)
         tokens = self.table.view(-1).index_select(0, index.reshape(-1)).view(index.shape)
-        corrupted = corruption_hash(positions, self.draft_index) < self.threshold
+        keys = self.keys.index_select(0, slot_ids)[:, None]
+        corrupted = corruption_hash(positions, self.draft_index, keys) < self.threshold
         return torch.where(corrupted, (tokens + 1) % self.vocab_size, tokens)
 
     def propose(
