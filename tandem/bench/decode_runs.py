@@ -66,6 +66,8 @@ def profiled_generate(
     return {
         **result,
         "gpu_idle_fraction": 1.0 - profiled["busy_fraction"],
+        # The idle split: back-to-back launch spacing, short gaps, waits for the host.
+        "gpu_idle_by_gap": profiled["idle_by_gap"],
         "profile_window_s": profiled["window_us"] / 1e6,
         "profile_busy_s": profiled["busy_us"] / 1e6,
     }

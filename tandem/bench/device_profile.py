@@ -42,6 +42,41 @@ def busy_fraction(intervals: list[tuple[float, float]], window: tuple[float, flo
     return covered / (hi - lo)
 
 
+# Idle gaps by length (microseconds): up to the first bound, the spacing between kernels a
+# CUDA graph or a queued stream launches back to back; past the second, the device waited
+# for the host to launch more work.
+GAP_BOUNDS_US = (1.5, 8.0)
+
+
+def idle_by_gap(
+    intervals: list[tuple[float, float]],
+    window: tuple[float, float],
+    bounds: tuple[float, float] = GAP_BOUNDS_US,
+) -> dict[str, float]:
+    """The idle share of ``window`` (what ``busy_fraction`` leaves) split by the length of
+    each gap between the union's busy spans: ``launch_spacing`` (gaps up to ``bounds[0]``),
+    ``short`` (up to ``bounds[1]``) and ``host`` (longer: the device waiting for launches).
+    Idle time before the first span or after the last counts as ``host``; the three add up
+    to 1 - busy_fraction."""
+    lo, hi = window
+    if hi <= lo:
+        return {"launch_spacing": 0.0, "short": 0.0, "host": 0.0}
+    spans = sorted((max(s, lo), min(e, hi)) for s, e in intervals if min(e, hi) > max(s, lo))
+    shares = {"launch_spacing": 0.0, "short": 0.0, "host": 0.0}
+    reached = lo
+    for start, end in spans:
+        gap = start - reached
+        if gap > 0 and reached > lo:
+            key = "launch_spacing" if gap <= bounds[0] else "short" if gap <= bounds[1] else "host"
+            shares[key] += gap / (hi - lo)
+        elif gap > 0:  # idle before the first span: count it as waiting for the host
+            shares["host"] += gap / (hi - lo)
+        reached = max(reached, end)
+    if reached < hi:
+        shares["host"] += (hi - reached) / (hi - lo)
+    return shares
+
+
 def _method(obj: Any, name: str, default: Any = None) -> Any:
     """``obj.name()`` if ``obj`` has that method, else ``default``."""
     fn = getattr(obj, name, None)
@@ -129,7 +164,8 @@ def profile_generate(
     """``llm.generate`` under the CUDA profiler: once, or once per wave of ``batch_size``
     prompts, one after the other. Always: ``wall_s``, ``device_ops``
     (kernels, memcpys, memsets) and ``activity_counts``; when device ops were recorded, their
-    window ``window_us``, ``busy_fraction`` and ``busy_us`` of it and the ``top`` ops by total
+    window ``window_us``, ``busy_fraction`` and ``busy_us`` of it, the idle share split by
+    gap length (``idle_by_gap``) and the ``top`` ops by total
     time; otherwise a ``note`` saying why not."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -157,6 +193,7 @@ def profile_generate(
         **result,
         "window_us": window[1] - window[0],
         "busy_fraction": busy,
+        "idle_by_gap": idle_by_gap(intervals, window),
         "busy_us": busy * (window[1] - window[0]),
         "top": kernel_totals(prof, top) if top else [],
     }

@@ -14,7 +14,12 @@ from torch.autograd import DeviceType
 from tandem.bench import decode_runs
 from tandem.bench.datasets import BenchRequest
 from tandem.bench.decode import mode_name, parse_modes, run_decode_bench
-from tandem.bench.device_profile import busy_fraction, device_intervals, kernel_totals
+from tandem.bench.device_profile import (
+    busy_fraction,
+    device_intervals,
+    idle_by_gap,
+    kernel_totals,
+)
 from tandem.cli import build_parser
 from tandem.tokenizer import Tokenizer
 
@@ -42,6 +47,22 @@ def test_busy_fraction_empty_and_degenerate():
     assert busy_fraction([], (0, 10)) == 0.0
     assert busy_fraction([(3, 3), (6, 4)], (0, 10)) == 0.0  # empty and reversed intervals
     assert busy_fraction([(0, 1)], (5, 5)) == 0.0  # zero-length window
+
+
+def test_idle_by_gap_splits_the_idle_share_by_gap_length():
+    # Busy [0, 10) u [11, 20) u [25, 30) u [50, 100) of [0, 110): gaps of 1 (launch
+    # spacing), 5 (short), 20 (host) and 10 after the last span (host).
+    spans = [(50, 100), (0, 10), (11, 20), (25, 30), (12, 14)]
+    shares = idle_by_gap(spans, (0, 110))
+    assert shares == {
+        "launch_spacing": pytest.approx(1 / 110),
+        "short": pytest.approx(5 / 110),
+        "host": pytest.approx(30 / 110),
+    }
+    assert sum(shares.values()) == pytest.approx(1 - busy_fraction(spans, (0, 110)))
+    # Idle before the first span waits for the host too; a degenerate window has none.
+    assert idle_by_gap([(4, 10)], (0, 10))["host"] == pytest.approx(0.4)
+    assert set(idle_by_gap([], (3, 3)).values()) == {0.0}
 
 
 def test_parse_modes_round_trips_names():
