@@ -9,12 +9,14 @@ the last launched step at the end of a run. The host waits for the device only i
 ``read`` (DESIGN.md invariant 6).
 
 Plain decoding always launches ahead: a decode row's input token is the unread step's
-sample, filled in on the device. With an MTP head a step has up to two parts: the rows the
-device can resolve (``spec_decode/mtp_steps.py``: a row verifies k drafts from its
-request's device slot) are launched ahead as one resolved step that drafts at launch; the
-other rows (a prompt chunk, a sampled or near-the-end row, a request whose drafts the read
-brings) are launched after the step in front is read, and draft at their own read. Both
-parts are read with one wait.
+sample, filled in on the device. With an MTP head a step has up to three parts: the rows
+the device can resolve (``spec_decode/mtp_steps.py``: a row verifies k drafts from its
+request's device slot) are launched ahead as one resolved step that drafts at launch; after
+the step in front is read, the rows it made resolvable go as a second resolved step, and
+the others (a prompt chunk, a sampled or near-the-end row) as a ragged step that drafts at
+its own read. The parts are read with one wait. Each part reads the model's weights once:
+for a model over ``SPLIT_STEP_MAX_WEIGHT_BYTES`` a step that cannot launch whole ahead goes
+as one part after the read.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ from tandem.worker.model_runner import ModelRunner, on_runner_device
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.mtp_steps import MTPSteps
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
+
+# Splitting an MTP step into parts reads the weights once more per part; below this size
+# that read costs less than the host's wait that launching rows ahead saves (SmolLM2-135M,
+# 0.27 GB: ~0.06 ms on an H200); above it (an 8B model, 16 GB: ~3.4 ms) it costs more.
+SPLIT_STEP_MAX_WEIGHT_BYTES = 2 * 2**30
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """The bytes of ``module``'s parameters (on this rank)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 @dataclass
@@ -71,6 +83,8 @@ class StepPipeline:
         )
         # With an MTP head: which steps the device resolves, their launch, and drafting.
         self.mtp = MTPSteps(runner, self.batch) if slots else None
+        # Whether an MTP step whose rows are not all resolvable ahead goes in parts.
+        self.split_steps = weight_bytes(runner.model) <= SPLIT_STEP_MAX_WEIGHT_BYTES
         self.reader = DeviceReader(self.device)
         self.launch_seconds = 0.0  # the host's time in launch (preparing, queueing steps)
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
@@ -113,9 +127,12 @@ class StepPipeline:
         are launched as one resolved step before ``previous`` is read; after that read, the
         rows it made resolvable are launched as a second resolved step, and the rest (prompt
         chunks, sampled or near-the-end rows) as a ragged one. The parts are chained on the
-        first (``LaunchedStep.rest``) and read together."""
+        first (``LaunchedStep.rest``) and read together. Without ``split_steps`` a step
+        launches whole: ahead if every row is resolvable, else after the read as one part."""
         resolvable = self.mtp.row_resolvable
         ready = [row for row in step.scheduled if resolvable(row, previous is not None)]
+        if not self.split_steps and len(ready) < len(step.scheduled):
+            ready = []
         finished = step.finished_request_ids  # dropped by the first part launched
         parts: list[LaunchedStep | None] = []
         if ready:
@@ -130,6 +147,8 @@ class StepPipeline:
         ragged: list = []
         for row in later:
             (resolved_now if resolvable(row, False) else ragged).append(row)
+        if not self.split_steps and ragged:
+            resolved_now, ragged = [], later
         for rows, resolved in ((resolved_now, True), (ragged, False)):
             if rows:
                 parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))

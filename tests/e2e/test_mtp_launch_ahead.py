@@ -104,6 +104,47 @@ def test_decode_rows_launch_ahead_while_prompts_keep_joining(make_llm, prompts):
     assert mixed_ahead >= 0.7 * mixed, f"{mixed_ahead} of {mixed} mixed steps ran ahead"
 
 
+@pytest.mark.parametrize("split_steps", [True, False])
+def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(
+    make_llm, prompts, split_steps
+):
+    """Models over the size bound (``split_steps`` off) launch each step as one part: ahead
+    if every row is resolvable, else after the read; the outputs stay plain decoding's."""
+    llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_num_seqs=4)
+    pipeline = llm.engine.pipeline
+    assert pipeline.split_steps  # SmolLM2-135M is far under the bound
+    pipeline.split_steps = split_steps
+    step_ahead, timed_launch = pipeline.step_ahead, pipeline._timed_launch
+    parts_per_step: list[int] = []
+
+    def counting_launch(step, resolvable=None):
+        parts_per_step[-1] += 1
+        return timed_launch(step, resolvable)
+
+    def counting_step(step):
+        parts_per_step.append(0)
+        return step_ahead(step)
+
+    pipeline.step_ahead, pipeline._timed_launch = counting_step, counting_launch
+    many = (prompts * 2)[:12]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6 + 5 * (i % 5), ignore_eos=True)
+        for i in range(len(many))
+    ]
+    try:
+        outputs = llm.generate(many, params, use_tqdm=False)
+    finally:
+        del pipeline.step_ahead, pipeline._timed_launch
+    plain = make_llm(max_num_seqs=4).generate(many, params, use_tqdm=False)
+    assert _tokens(outputs) == _tokens(plain)
+    assert len(parts_per_step) >= 10
+    if split_steps:
+        assert max(parts_per_step) > 1
+    else:
+        assert max(parts_per_step) == 1
+    assert pipeline.num_launched_ahead > 0
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_device_slots_agree_with_the_host_under_preemption_and_aborts(make_llm, prompts, overlap):
     llm = make_llm(
