@@ -215,6 +215,7 @@ def _router(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         health_interval_s=args.health_interval_s,
         request_timeout_s=args.request_timeout_s,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     return 0
 
@@ -338,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--health-interval-s", type=float, default=2.0)
     router.add_argument("--request-timeout-s", type=float, default=600.0)
+    router.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=64 << 20,
+        help="refuse (413) a larger request body without reading it",
+    )
     router.add_argument("--log-level", default="info")
     router.set_defaults(handler=_router)
 
