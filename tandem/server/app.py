@@ -18,7 +18,7 @@ from tandem.server.engine_client import (
     RequestTimedOut,
 )
 from tandem.server.errors import ApiError, install_error_handlers
-from tandem.server.guards import ApiKeyGuard, BodyLimitGuard, default_max_body_bytes
+from tandem.server.guards import default_max_body_bytes, install_guards
 from tandem.server.metrics import ServerMetrics
 from tandem.server.openai_serving import RequestRun, prepare_chat, prepare_completion
 from tandem.server.protocol import (
@@ -114,6 +114,16 @@ def _check_admission(
         raise ApiError(503, "server is over its request limit; retry later", "service_unavailable")
 
 
+def _body_limit(client: AsyncEngineClient, fixed: int | None):
+    """The body size limit as a function: ``fixed``, or the default for the engine's
+    max_model_len (known once it has started)."""
+    if fixed is not None and fixed < 1:
+        raise ValueError(f"max_request_body_bytes must be positive, got {fixed}")
+    if fixed is not None:
+        return lambda: fixed
+    return lambda: default_max_body_bytes(client.info.max_model_len if client.info else 0)
+
+
 def _check_strings(body: CompletionRequest | ChatCompletionRequest) -> None:
     """ParamError for a lone surrogate in a string field no later check reads."""
     for name in ("model", "user"):
@@ -137,6 +147,8 @@ def build_app(
     over ``max_request_body_bytes`` (default: ``default_max_body_bytes`` of the engine's
     max_model_len) is refused with a 413 before it is read."""
 
+    body_limit = _body_limit(client, max_request_body_bytes)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if client.info is None:
@@ -148,16 +160,8 @@ def build_app(
     metrics = ServerMetrics(served_model_name)
     app.state.client, app.state.metrics = client, metrics
     install_error_handlers(app)
-    app.add_middleware(
-        BodyLimitGuard,
-        max_bytes=lambda: (
-            max_request_body_bytes
-            or default_max_body_bytes(client.info.max_model_len if client.info else 0)
-        ),
-    )
-    if api_key:
-        open_paths = {"/health", "/metrics"} if metrics_without_key else {"/health"}
-        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=frozenset(open_paths))
+    open_paths = frozenset({"/health", "/metrics"} if metrics_without_key else {"/health"})
+    install_guards(app, body_limit, api_key, open_paths)
     prefill_addresses = PrefillAddresses(client, api_key)
 
     async def run(prepare, body, request: Request):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 
+from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -86,3 +87,16 @@ class BodyLimitGuard:
             return message
 
         await self.app(scope, receive_within_limit, send)
+
+
+def install_guards(
+    app: Starlette,
+    max_body_bytes: Callable[[], int],
+    api_key: str | None = None,
+    open_paths: frozenset[str] = frozenset({"/health"}),
+) -> None:
+    """Put the body size limit and, with ``api_key``, the key check (outermost, so a request
+    without the key is refused before anything of it is read) in front of every route."""
+    app.add_middleware(BodyLimitGuard, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyGuard, api_key=api_key, open_paths=open_paths)

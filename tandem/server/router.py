@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.server.errors import ApiError, install_error_handlers
-from tandem.server.guards import BodyLimitGuard
+from tandem.server.guards import install_guards
 from tandem.server.protocol import PREFILL_URL_HEADER, error_body
 
 ROLES = ("prefill", "decode")
@@ -291,6 +291,8 @@ def build_router_app(
     A body over ``max_request_body_bytes`` is refused (413) before it is read.
     ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
     """
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
     state = RouterState(prefill_urls, decode_urls, health_interval_s, request_timeout_s, transport)
 
     @contextlib.asynccontextmanager
@@ -305,7 +307,7 @@ def build_router_app(
     app.state.router = state
 
     install_error_handlers(app)
-    app.add_middleware(BodyLimitGuard, max_bytes=lambda: max_request_body_bytes)
+    install_guards(app, lambda: max_request_body_bytes)
 
     def auth_headers(request: Request) -> dict[str, str]:
         authorization = request.headers.get("authorization")
