@@ -8,6 +8,14 @@ import importlib
 import logging
 import sys
 
+# ``tandem serve``: the exit status when the engine core died or stalled (a supervisor
+# restarts the server), how long /health reports it before the exit, and how long open
+# connections may take to close at shutdown.
+ENGINE_DEAD_EXIT_CODE = 1
+STARTUP_FAILED_EXIT_CODE = 3  # as uvicorn.run's
+DEAD_ENGINE_LINGER_S = 2.0
+SHUTDOWN_GRACE_S = 10.0
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that starts an engine."""
@@ -149,12 +157,51 @@ def _serve(args: argparse.Namespace) -> int:
     if name is None:
         path = resolve_model(args.model)
         name = DEFAULT_SERVED_NAME if args.model is None else path.rstrip("/").split("/")[-1]
-    client = AsyncEngineClient(config)
-    app = build_app(
-        client, name, api_key=args.api_key, max_pending_requests=args.max_pending_requests
+    client = AsyncEngineClient(
+        config,
+        stall_timeout_s=args.engine_stall_timeout_s,
+        step_timeout_s=args.engine_step_timeout_s or None,
+        request_timeout_s=args.request_timeout_s or None,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = build_app(
+        client,
+        name,
+        api_key=args.api_key,
+        max_pending_requests=args.max_pending_requests,
+        metrics_without_key=args.metrics_without_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
+    )
+    client.on_dead = lambda why: _exit_soon(server, why)
+    try:
+        server.run()
+    finally:
+        client.remove_socket_dir()  # also when startup failed or the loop died
+    if not server.started:
+        return STARTUP_FAILED_EXIT_CODE
+    if client.dead is not None:
+        print(f"tandem: error: the engine core is gone ({client.dead}); exiting", file=sys.stderr)
+        return ENGINE_DEAD_EXIT_CODE
     return 0
+
+
+def _exit_soon(server, why: str) -> None:
+    """Stop ``server`` ``DEAD_ENGINE_LINGER_S`` after its engine core was found dead: until
+    then /health says why (503) to whoever watches it; then the process exits non-zero."""
+    import asyncio
+
+    logging.getLogger("tandem.server").error("engine core dead: %s; the server exits", why)
+    asyncio.get_running_loop().call_later(
+        DEAD_ENGINE_LINGER_S, lambda: setattr(server, "should_exit", True)
+    )
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -168,6 +215,7 @@ def _router(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         health_interval_s=args.health_interval_s,
         request_timeout_s=args.request_timeout_s,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     return 0
 
@@ -197,7 +245,46 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (the docs, "
+        "/metrics and /v1/disagg/info included)",
+    )
+    serve.add_argument(
+        "--metrics-without-key",
+        action="store_true",
+        help="with --api-key, leave /metrics open (for a scraper without the key)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="refuse (413) a larger request body without reading it (default: 64 bytes per "
+        "token of the max model length, at least 4 MiB)",
+    )
+    serve.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=0,
+        help="abort a request (504, or an error event in a stream) still running this long "
+        "after it was submitted, freeing its KV blocks (default 0: no deadline)",
+    )
+    serve.add_argument(
+        "--engine-stall-timeout-s",
+        type=float,
+        default=30.0,
+        help="the engine core is dead when it sent no heartbeat for this long (stopped, "
+        "frozen): requests fail, /health is 503 and the server exits with status "
+        f"{ENGINE_DEAD_EXIT_CODE} for a supervisor (systemd, Kubernetes) to restart it; "
+        "so does a core process that exits",
+    )
+    serve.add_argument(
+        "--engine-step-timeout-s",
+        type=float,
+        default=600.0,
+        help="... or when one engine step ran this long (0: no bound)",
+    )
     serve.add_argument(
         "--max-pending-requests",
         type=int,
@@ -252,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--health-interval-s", type=float, default=2.0)
     router.add_argument("--request-timeout-s", type=float, default=600.0)
+    router.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=64 << 20,
+        help="refuse (413) a larger request body without reading it",
+    )
     router.add_argument("--log-level", default="info")
     router.set_defaults(handler=_router)
 

@@ -7,6 +7,11 @@ Results go out (PUSH): ``EngineReady`` once (or ``EngineFailed``), then per step
 for a request the core refused. A PD role (prefill or decode) is attached to the core here
 (``tandem.disagg.setup``), so its peers' messages are handled inside the core's steps.
 
+A heartbeat thread sends ``Heartbeat`` every ``HEARTBEAT_INTERVAL_S``, idle or busy (a long
+step releases the GIL in torch, or is preempted by the interpreter), with the age of the
+loop's current turn: the client tells a stopped or frozen process (no heartbeat) from one
+stuck in a step (heartbeats, but an old turn).
+
 With tensor parallelism (``tensor_parallel_size`` N > 1) the client starts N such processes,
 one per rank, that join one torch.distributed group (``RankSetup``). Rank 0, the leader,
 alone talks to the client: each loop turn it forwards what it took from its input socket, as
@@ -17,9 +22,12 @@ in the same collectives. Only the leader sends results.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
+import time
 import traceback
 from dataclasses import dataclass, replace
 
@@ -35,6 +43,7 @@ from tandem.messages import (
     EngineInfo,
     EngineReady,
     FinishRequest,
+    Heartbeat,
     Message,
     MessageError,
     Shutdown,
@@ -47,6 +56,7 @@ from tandem.request import Request
 logger = logging.getLogger("tandem.engine")
 
 POLL_IDLE_MS = 100
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,8 @@ class EngineCoreProcess:
             start_pd_role(self.core)
         self.running = True
         self._parent = os.getppid()  # the API process; if it dies, so does this one
+        self._output_address = output_address
+        self.turn_started = time.monotonic()  # read by the heartbeat thread
 
     def info(self) -> EngineInfo:
         """This engine's limits and role, for the client."""
@@ -224,9 +236,45 @@ class EngineCoreProcess:
             self._handle(message)
         return len(messages)
 
+    def _beat(self, stop: threading.Event) -> None:
+        """The heartbeat thread's loop, on its own socket (ZeroMQ sockets are not
+        thread-safe). A beat that cannot be queued (the client reads nothing) is dropped,
+        never waited for."""
+        sock = self.context.socket(zmq.PUSH)
+        sock.connect(self._output_address)
+        try:
+            while not stop.wait(HEARTBEAT_INTERVAL_S):
+                beat = Heartbeat(time.monotonic() - self.turn_started).encode()
+                with contextlib.suppress(zmq.Again):
+                    sock.send(beat, zmq.NOBLOCK)
+        finally:
+            sock.close(linger=0)
+
     def run(self) -> None:
+        """Report ready, then serve until shutdown (or the API process is gone)."""
+        stop_beating = threading.Event()
+        heart = None
+        if self.outputs is not None:  # the leader beats for all ranks
+            heart = threading.Thread(
+                target=self._beat, args=(stop_beating,), daemon=True, name="tandem-heartbeat"
+            )
+            heart.start()
+        try:
+            self._serve()
+        finally:
+            stop_beating.set()
+            if heart is not None:
+                heart.join()
+        self.core.shutdown()
+        for sock in (self.inputs, self.outputs, *self.followers):
+            if sock is not None:
+                sock.close(linger=0)
+        self.context.term()
+
+    def _serve(self) -> None:
         self._send(EngineReady(self.info()))
         while self.running:
+            self.turn_started = time.monotonic()
             if os.getppid() != self._parent:
                 logger.error("the API process exited; the engine core stops")
                 break
@@ -243,11 +291,6 @@ class EngineCoreProcess:
                 continue
             updates = self.core.step()
             self._send(StepUpdates(updates, self.core.metrics()))
-        self.core.shutdown()
-        for sock in (self.inputs, self.outputs, *self.followers):
-            if sock is not None:
-                sock.close(linger=0)
-        self.context.term()
 
 
 def run_engine_core(

@@ -185,6 +185,16 @@ class AddRejected(Message):
     error: str
 
 
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Sent by the core's heartbeat thread every ``HEARTBEAT_INTERVAL_S``, idle or busy:
+    the core process still runs, and its loop has been in its current turn (a step, or
+    waiting for input) for ``turn_age_s`` seconds."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    turn_age_s: float
+
+
 # ---- tensor-parallel leader -> followers --------------------------------------------------
 
 CLIENT_MESSAGES = (AddRequest, AbortRequests, FinishRequest, Shutdown)
@@ -281,7 +291,7 @@ class KVFailed(Message):
 TO_PREFILL = (PrefillTask, PrefillCancel)
 TO_DECODE = (PrefillStarted, KVTransferring, KVReady, KVFailed)
 TO_ENGINE = (*CLIENT_MESSAGES, Turn)
-TO_CLIENT = (EngineReady, EngineFailed, StepUpdates, AddRejected)
+TO_CLIENT = (EngineReady, EngineFailed, StepUpdates, AddRejected, Heartbeat)
 
 
 # ---- decoding -----------------------------------------------------------------------------

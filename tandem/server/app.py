@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.sampling_params import ParamError, check_text
-from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, RequestFailed
+from tandem.server.engine_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestFailed,
+    RequestTimedOut,
+)
 from tandem.server.errors import ApiError, install_error_handlers
+from tandem.server.guards import default_max_body_bytes, install_guards
 from tandem.server.metrics import ServerMetrics
 from tandem.server.openai_serving import RequestRun, prepare_chat, prepare_completion
 from tandem.server.protocol import (
@@ -47,16 +52,20 @@ async def _respond(run: RequestRun, request: Request) -> Response:
         raise ApiError(400, str(e)) from e
     except EngineDeadError as e:
         raise ApiError(503, str(e), "service_unavailable") from e
+    except RequestTimedOut as e:
+        raise ApiError(504, str(e), "timeout_error") from e
     except RequestFailed as e:
         raise ApiError(502, str(e), "server_error") from e
 
 
 class PrefillAddresses:
     """PD, decode instances: the control address of each prefill instance named by URL,
-    asked from its ``/v1/disagg/info`` once."""
+    asked from its ``/v1/disagg/info`` once (with this instance's API key, if it has one:
+    the route needs the key)."""
 
-    def __init__(self, client: AsyncEngineClient):
+    def __init__(self, client: AsyncEngineClient, api_key: str | None = None):
         self.client = client
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._addresses: dict[str, str] = {}
 
     async def resolve(self, url: str) -> str:
@@ -71,11 +80,10 @@ class PrefillAddresses:
             self._addresses[url] = await self._ask(url)
         return self._addresses[url]
 
-    @staticmethod
-    async def _ask(url: str) -> str:
+    async def _ask(self, url: str) -> str:
         try:
             async with httpx.AsyncClient(timeout=PREFILL_INFO_TIMEOUT_S) as http:
-                reply = await http.get(url.rstrip("/") + "/v1/disagg/info")
+                reply = await http.get(url.rstrip("/") + "/v1/disagg/info", headers=self._headers)
                 reply.raise_for_status()
                 info = reply.json()
         except (httpx.HTTPError, ValueError) as e:
@@ -87,20 +95,6 @@ class PrefillAddresses:
                 502, f"{url} is not a prefill instance (role {info.get('role')!r})", "server_error"
             )
         return info["control_address"]
-
-
-def _api_key_check(api_key: str | None):
-    """A route dependency that refuses requests without ``Bearer <api_key>`` (when one is
-    set). A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware hides client
-    disconnects from the handler, and a disconnect must abort the request."""
-
-    async def check_api_key(request: Request) -> None:
-        if api_key:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise ApiError(401, "invalid or missing API key", "authentication_error")
-
-    return check_api_key
 
 
 def _check_admission(
@@ -120,6 +114,16 @@ def _check_admission(
         raise ApiError(503, "server is over its request limit; retry later", "service_unavailable")
 
 
+def _body_limit(client: AsyncEngineClient, fixed: int | None):
+    """The body size limit as a function: ``fixed``, or the default for the engine's
+    max_model_len (known once it has started)."""
+    if fixed is not None and fixed < 1:
+        raise ValueError(f"max_request_body_bytes must be positive, got {fixed}")
+    if fixed is not None:
+        return lambda: fixed
+    return lambda: default_max_body_bytes(client.info.max_model_len if client.info else 0)
+
+
 def _check_strings(body: CompletionRequest | ChatCompletionRequest) -> None:
     """ParamError for a lone surrogate in a string field no later check reads."""
     for name in ("model", "user"):
@@ -132,8 +136,18 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_pending_requests: int = 1024,
+    *,
+    metrics_without_key: bool = False,
+    max_request_body_bytes: int | None = None,
 ) -> FastAPI:
-    """An app serving ``client``; the caller starts and stops the client (see ``lifespan``)."""
+    """An app serving ``client``; the caller starts and stops the client (see ``lifespan``).
+
+    With ``api_key``, every route but ``/health`` (and ``/metrics`` with
+    ``metrics_without_key``) needs it, the docs and ``/v1/disagg/info`` included. A body
+    over ``max_request_body_bytes`` (default: ``default_max_body_bytes`` of the engine's
+    max_model_len) is refused with a 413 before it is read."""
+
+    body_limit = _body_limit(client, max_request_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -146,15 +160,16 @@ def build_app(
     metrics = ServerMetrics(served_model_name)
     app.state.client, app.state.metrics = client, metrics
     install_error_handlers(app)
-    prefill_addresses = PrefillAddresses(client)
-
-    authorized = [Depends(_api_key_check(api_key))]
+    open_paths = frozenset({"/health", "/metrics"} if metrics_without_key else {"/health"})
+    install_guards(app, body_limit, api_key, open_paths)
+    prefill_addresses = PrefillAddresses(client, api_key)
 
     async def run(prepare, body, request: Request):
         try:
             _check_strings(body)
             _check_admission(client, body.model, served_model_name, max_pending_requests)
-            prepared = prepare(body, client)
+            # Tokenizing and templating a long prompt takes a while: not on the event loop.
+            prepared = await asyncio.to_thread(prepare, body, client)
         except ParamError as e:
             raise ApiError(400, str(e), param=e.param) from e
         except ValueError as e:  # the tokenizer's (a chat template's) own
@@ -164,15 +179,15 @@ def build_app(
             prepared.remote_prefill = await prefill_addresses.resolve(prefill_url)
         return await _respond(RequestRun(prepared, client, metrics, served_model_name), request)
 
-    @app.post("/v1/completions", dependencies=authorized)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await run(prepare_completion, body, request)
 
-    @app.post("/v1/chat/completions", dependencies=authorized)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await run(prepare_chat, body, request)
 
-    @app.get("/v1/models", dependencies=authorized)
+    @app.get("/v1/models")
     async def models():
         card = {
             "id": served_model_name,
@@ -201,6 +216,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(metrics.render(client.stats), media_type="text/plain; version=0.0.4")
+        rendered = metrics.render(client.stats, engine_live=client.dead is None)
+        return Response(rendered, media_type="text/plain; version=0.0.4")
 
     return app

@@ -3,6 +3,12 @@
 One asyncio task reads result frames and routes each request's outputs to its own queue.
 Detokenization and stop strings happen here (OutputProcessor); a matched stop string is
 sent back to the core, which finishes the request and frees its blocks.
+
+Liveness: the core sends a heartbeat every ``HEARTBEAT_INTERVAL_S``. A core process that
+exited, sent nothing for ``stall_timeout_s`` (stopped, frozen) or stayed in one loop turn for
+``step_timeout_s`` makes the client dead: every request fails with ``EngineDeadError``, no
+new one is taken, and ``on_dead`` is called (the server exits so that a supervisor restarts
+it).
 """
 
 from __future__ import annotations
@@ -11,16 +17,18 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import shutil
 import tempfile
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import zmq
 import zmq.asyncio
 
 from tandem.config import EngineConfig
-from tandem.engine_process import RankSetup, free_port, run_engine_core
+from tandem.engine_process import HEARTBEAT_INTERVAL_S, RankSetup, free_port, run_engine_core
 from tandem.messages import (
     TO_CLIENT,
     AbortRequests,
@@ -30,6 +38,7 @@ from tandem.messages import (
     EngineInfo,
     EngineReady,
     FinishRequest,
+    Heartbeat,
     Message,
     Shutdown,
     StepUpdates,
@@ -45,10 +54,14 @@ STARTUP_TIMEOUT_S = 600
 # How long a send to the engine core may wait before the client checks that it still runs
 # (a PUSH socket whose peer has exited waits forever).
 SEND_CHECK_S = 1.0
+# How long the result reader waits for a frame before it checks the core's liveness.
+READ_CHECK_MS = 200
+DEFAULT_STALL_TIMEOUT_S = 30.0
+DEFAULT_STEP_TIMEOUT_S = 600.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core process exited."""
+    """The engine core process exited, stalled or got stuck (the message says which)."""
 
 
 class RequestRejected(ValueError):
@@ -59,10 +72,41 @@ class RequestFailed(RuntimeError):
     """A request ended with an error inside the engine (PD: its KV never arrived)."""
 
 
-class AsyncEngineClient:
-    """Starts the engine core process and multiplexes requests over ZeroMQ."""
+class RequestTimedOut(RequestFailed):
+    """A request ran past the server's request timeout; it was aborted in the core."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+
+class AsyncEngineClient:
+    """Starts the engine core process and multiplexes requests over ZeroMQ.
+
+    ``stall_timeout_s``: the core is dead when no heartbeat came for this long.
+    ``step_timeout_s``: ... or when its loop stayed in one turn this long (None: no bound).
+    ``request_timeout_s``: a request still running this long after it was submitted is
+    aborted and fails with ``RequestTimedOut`` (None: no deadline)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        *,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S,
+        request_timeout_s: float | None = None,
+    ):
+        if stall_timeout_s < 2 * HEARTBEAT_INTERVAL_S:
+            raise ValueError(
+                f"stall_timeout_s must be at least {2 * HEARTBEAT_INTERVAL_S} s "
+                f"(two heartbeats), got {stall_timeout_s}"
+            )
+        for name, value in (
+            ("step_timeout_s", step_timeout_s),
+            ("request_timeout_s", request_timeout_s),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.stall_timeout_s = stall_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.config = config
         model_path = resolve_model(config.model)
         if tokenizer is None:
@@ -84,6 +128,10 @@ class AsyncEngineClient:
         self._processes: list[multiprocessing.Process] = []  # rank 0's first
         self._reader: asyncio.Task | None = None
         self.dead: str | None = None
+        # Called once, with the reason, when the core is found dead (the server exits).
+        self.on_dead: Callable[[str], None] | None = None
+        self._last_heard = time.monotonic()  # when the core last sent anything
+        self._turn_age_s = 0.0  # the core's loop turn's age at its last heartbeat
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -124,7 +172,9 @@ class AsyncEngineClient:
                     raise RuntimeError(f"{self._exited()} exited during startup")
         except BaseException:
             self._kill_processes()  # the other ranks would wait for the failed one forever
+            self.remove_socket_dir()
             raise
+        self._last_heard = time.monotonic()
         self._reader = asyncio.create_task(self._read_results())
 
     def _exited(self) -> str | None:
@@ -137,27 +187,55 @@ class AsyncEngineClient:
     def _kill_processes(self) -> None:
         for process in self._processes:
             if process.is_alive():
-                process.kill()
+                process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
             process.join()
 
+    def liveness_problem(self) -> str | None:
+        """Why the core is not live (exited, silent past the stall timeout, stuck in one
+        turn past the step timeout), or None while it is."""
+        exited = self._exited()
+        if exited is not None:
+            return f"{exited} exited"
+        silent_s = time.monotonic() - self._last_heard
+        if silent_s > self.stall_timeout_s:
+            return (
+                f"engine core stalled: no heartbeat for {silent_s:.1f} s "
+                f"(--engine-stall-timeout-s {self.stall_timeout_s:g})"
+            )
+        if self.step_timeout_s is not None and self._turn_age_s > self.step_timeout_s:
+            return (
+                f"engine core stuck: one step has run for {self._turn_age_s:.1f} s "
+                f"(--engine-step-timeout-s {self.step_timeout_s:g})"
+            )
+        return None
+
     async def shutdown(self) -> None:
-        if any(process.is_alive() for process in self._processes):
+        """Stop the core (killed at once when it is dead or stalled), close the sockets and
+        remove their folder."""
+        if self.dead is None and any(process.is_alive() for process in self._processes):
             with contextlib.suppress(EngineDeadError):
                 await self._send(Shutdown())  # the leader forwards it
             for process in self._processes:
                 await asyncio.to_thread(process.join, 10)
-            self._kill_processes()
+        self._kill_processes()
         if self._reader is not None:
             self._reader.cancel()
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self._context.term()
+        self.remove_socket_dir()
+
+    def remove_socket_dir(self) -> None:
+        """Remove the folder of this client's ZeroMQ ipc sockets (idempotent)."""
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     async def _send(self, message: Message) -> None:
         """Send ``message`` to the leader core. Raises EngineDeadError, rather than waiting
-        forever, when the send cannot complete and a core process has exited."""
+        forever, when the send cannot complete and the core is dead (or a process exited)."""
         data = message.encode()
         while True:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
             try:
                 await asyncio.wait_for(self._to_core.send(data), SEND_CHECK_S)
                 return
@@ -174,14 +252,21 @@ class AsyncEngineClient:
 
     async def _read_loop(self) -> None:
         while True:
-            if not await self._from_core.poll(1000):
-                exited = self._exited()
-                if exited is not None:
-                    self._fail_all(f"{exited} exited")
+            if not await self._from_core.poll(READ_CHECK_MS):
+                problem = self.liveness_problem()
+                if problem is not None:
+                    self._fail_all(problem)
                     return
                 continue
             message = decode(await self._from_core.recv(), TO_CLIENT)
-            if isinstance(message, StepUpdates):
+            self._last_heard = time.monotonic()
+            if isinstance(message, Heartbeat):
+                self._turn_age_s = message.turn_age_s
+                problem = self.liveness_problem()  # results may flow while a rank is gone
+                if problem is not None:
+                    self._fail_all(problem)
+                    return
+            elif isinstance(message, StepUpdates):
                 await self._deliver(message)
             elif isinstance(message, AddRejected):
                 queue = self._queues.get(message.request_id)
@@ -220,9 +305,14 @@ class AsyncEngineClient:
                 queue.put_nowait(output)
 
     def _fail_all(self, why: str) -> None:
+        if self.dead is not None:
+            return
         self.dead = why
+        self.stats = {}  # the core's last counters are not its state any more
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(why))
+        if self.on_dead is not None:
+            self.on_dead(why)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -251,6 +341,9 @@ class AsyncEngineClient:
         if self.dead:
             raise EngineDeadError(self.dead)
         self.validate_prompt(prompt_token_ids, params)
+        deadline = None
+        if self.request_timeout_s is not None:
+            deadline = time.monotonic() + self.request_timeout_s
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -262,7 +355,7 @@ class AsyncEngineClient:
         try:
             await self._send(AddRequest(request_id, prompt_token_ids, params, remote_prefill))
             while not finished:
-                item = await queue.get()
+                item = await self._next(queue, deadline)
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
@@ -274,6 +367,18 @@ class AsyncEngineClient:
                 if not self.dead:
                     with contextlib.suppress(EngineDeadError):  # nothing left to abort
                         await self._send(AbortRequests([request_id]))
+
+    async def _next(self, queue: asyncio.Queue, deadline: float | None):
+        """The request's next item, or RequestTimedOut once ``deadline`` passes."""
+        if deadline is None:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise RequestTimedOut(
+                f"request timed out after {self.request_timeout_s:g} s "
+                "(the server's --request-timeout-s)"
+            ) from None
 
     @property
     def num_active_requests(self) -> int:

@@ -83,6 +83,23 @@ class ServerMetrics:
             labels + ["position"],
             registry=r,
         )
+        self.engine_up = Gauge(
+            "tandem:engine_up",
+            "1 while the engine core is live; 0 once it died or stalled (its gauges are then "
+            "left out rather than shown stale)",
+            labels,
+            registry=r,
+        )
+        self.engine_gauges = (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.kv_free,
+            self.kv_total,
+            *self.spec.values(),
+            *self.pd.values(),
+            self.spec_per_pos,
+        )
 
     def _gauges(self, names: tuple[tuple[str, str], ...]) -> dict[str, Gauge]:
         """One ``tandem:<key>`` gauge per (key, help), labelled by model name."""
@@ -96,10 +113,15 @@ class ServerMetrics:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt)
         self.generation_tokens.labels(self.model_name).inc(num_generated)
 
-    def render(self, stats: dict) -> bytes:
-        """Refresh the engine gauges from the core's latest stats and render the registry."""
+    def render(self, stats: dict, engine_live: bool = True) -> bytes:
+        """Refresh the engine gauges from the core's latest stats and render the registry.
+        With the engine not live, its gauges are removed: a scrape never shows them stale."""
         name = self.model_name
-        if stats:
+        self.engine_up.labels(name).set(1 if engine_live else 0)
+        if not engine_live:
+            for gauge in self.engine_gauges:
+                gauge.clear()
+        elif stats:
             self.running.labels(name).set(stats.get("num_running", 0))
             self.waiting.labels(name).set(stats.get("num_waiting", 0))
             self.kv_usage.labels(name).set(stats.get("kv_cache_usage", 0.0))

@@ -4,6 +4,7 @@ For each request the router picks one healthy prefill and one healthy decode ins
 (round-robin per role) and forwards the client's body unchanged to the decode instance,
 naming the prefill in the ``x-tandem-prefill-url`` header: the decode instance asks that
 prefill to run the prompt and hand over the KV cache. Responses are relayed as they arrive.
+Errors, the router's own and FastAPI's, are in OpenAI's schema (``tandem.server.errors``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.server.errors import ApiError, install_error_handlers
+from tandem.server.guards import install_guards
 from tandem.server.protocol import PREFILL_URL_HEADER, error_body
 
 ROLES = ("prefill", "decode")
@@ -30,16 +33,11 @@ DISCONNECT_POLL_S = 0.2
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 READ_ERRORS = (httpx.HTTPError, httpx.StreamError)
 DONE_EVENT = b"data: [DONE]"
+# The router reads a whole body before it forwards it: it refuses one past this (each
+# instance refuses what is too long for its model).
+DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 logger = logging.getLogger(__name__)
-
-
-class RouterError(Exception):
-    """An error with an HTTP status, rendered in the OpenAI error schema."""
-
-    def __init__(self, status: int, message: str, kind: str):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
 
 
 @dataclass(eq=False)
@@ -135,10 +133,10 @@ class RouterState:
             raise self.unavailable(role)
         return inst
 
-    def unavailable(self, role: str) -> RouterError:
+    def unavailable(self, role: str) -> ApiError:
         """A 503 saying that no instance of ``role`` is healthy."""
         urls = ", ".join(inst.url for inst in self.instances[role])
-        return RouterError(503, f"no healthy {role} instance (of {urls})", "service_unavailable")
+        return ApiError(503, f"no healthy {role} instance (of {urls})", "service_unavailable")
 
     def set_health(self, inst: Instance, healthy: bool, reason: str = "") -> None:
         """Record an instance's health, logging changes."""
@@ -202,16 +200,16 @@ class RouterState:
                 raise bad_gateway(decode, f"failed before answering: {exc!r}") from exc
         if not self.has_healthy("decode"):
             raise self.unavailable("decode")
-        raise RouterError(
+        raise ApiError(
             502,
             f"decode instances {', '.join(inst.url for inst in tried)} could not be reached",
             "bad_gateway",
         )
 
 
-def bad_gateway(decode: Instance, what: str) -> RouterError:
+def bad_gateway(decode: Instance, what: str) -> ApiError:
     """A 502 naming the decode instance at fault."""
-    return RouterError(502, f"decode instance {decode.url} {what}", "bad_gateway")
+    return ApiError(502, f"decode instance {decode.url} {what}", "bad_gateway")
 
 
 def _complete_events_end(buffer: bytes) -> int:
@@ -285,12 +283,16 @@ def build_router_app(
     *,
     health_interval_s: float = 2.0,
     request_timeout_s: float = 600.0,
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
     """A router app over the given instances; its state is ``app.state.router`` (RouterState).
 
+    A body over ``max_request_body_bytes`` is refused (413) before it is read.
     ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
     """
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
     state = RouterState(prefill_urls, decode_urls, health_interval_s, request_timeout_s, transport)
 
     @contextlib.asynccontextmanager
@@ -304,9 +306,8 @@ def build_router_app(
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.router = state
 
-    @app.exception_handler(RouterError)
-    async def router_error(_, exc: RouterError):
-        return JSONResponse(error_body(exc.message, exc.kind, exc.status), exc.status)
+    install_error_handlers(app)
+    install_guards(app, lambda: max_request_body_bytes)
 
     def auth_headers(request: Request) -> dict[str, str]:
         authorization = request.headers.get("authorization")
@@ -334,11 +335,11 @@ def build_router_app(
         try:
             body = json.loads(raw)
         except ValueError as exc:
-            raise RouterError(
+            raise ApiError(
                 400, f"request body is not valid JSON: {exc}", "invalid_request_error"
             ) from exc
         if not isinstance(body, dict):
-            raise RouterError(400, "request body must be a JSON object", "invalid_request_error")
+            raise ApiError(400, "request body must be a JSON object", "invalid_request_error")
         prefill = state.pick_or_503("prefill")
         headers = {
             "content-type": "application/json",

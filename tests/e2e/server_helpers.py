@@ -56,7 +56,7 @@ def metrics(server: str) -> dict[str, float]:
     """Every sample of /metrics, summed over labels, by name."""
     import httpx
 
-    response = httpx.get(f"{server}/metrics", timeout=10)
+    response = httpx.get(f"{server}/metrics", headers=AUTH, timeout=10)
     assert response.status_code == 200
     values: dict[str, float] = {}
     for line in response.text.splitlines():

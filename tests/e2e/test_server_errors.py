@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, end to end: bad requests get a 400 with an OpenAI error body
 (raw HTTP and through the ``openai`` client), unknown models a 404, a missing or wrong API
-key a 401, and the server keeps serving through them.
+key a 401 (on every route but /health), a body over the size limit a 413 at once, and the
+server keeps serving, and answering /health, through them.
 
 The module's server runs with an API key (fixtures: conftest.py).
 """
@@ -8,6 +9,8 @@ The module's server runs with an API key (fixtures: conftest.py).
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import openai
@@ -139,8 +142,65 @@ def test_api_key_is_required(server):
     with pytest.raises(openai.AuthenticationError) as e:
         wrong.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert e.value.status_code == 401
-    # Health and metrics stay open; the right key works.
+    # Only health stays open; the right key opens the rest.
     assert httpx.get(f"{server}/health").status_code == 200
-    assert httpx.get(f"{server}/metrics").status_code == 200
+    for path in ("/metrics", "/docs", "/openapi.json", "/redoc", "/v1/disagg/info"):
+        _check_error(httpx.get(f"{server}{path}"), 401, "api key")
+        assert httpx.get(f"{server}{path}", headers=AUTH).status_code == 200, path
     response = httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- limits ------------------------------------------------------------------------------
+
+
+def _health_while(server: str, work) -> tuple[object, list[float]]:
+    """Run ``work()`` in a thread while polling /health; its result and every health
+    check's latency (each must be a 200)."""
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(work()), daemon=True)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        started = time.monotonic()
+        assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.1)
+    thread.join()
+    return results[0], latencies
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_50_mb_body_is_413_at_once_and_health_answers_meanwhile(server, chunked):
+    size = 50 << 20
+    url = f"{server}/v1/completions"
+    headers = {**AUTH, "content-type": "application/json"}
+
+    def post():
+        # The body is a prompt, so it would be read and tokenized if it were let in.
+        body = b'{"prompt": "' + b"a" * (size - 14) + b'"}'
+        content = (body[i : i + (1 << 20)] for i in range(0, size, 1 << 20)) if chunked else body
+        started = time.monotonic()
+        response = httpx.post(url, content=content, headers=headers, timeout=60)
+        return response, time.monotonic() - started
+
+    (response, took_s), latencies = _health_while(server, post)
+    error = _check_error(response, 413, "limit")
+    assert error["type"] == "invalid_request_error"
+    assert took_s < 10, took_s
+    assert max(latencies, default=0) < 2.0, latencies
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(server):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 70_000  # 3 MB, under the limit
+
+    def post():
+        started = time.monotonic()
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        response = httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=300)
+        return response, time.monotonic() - started
+
+    (response, took_s), latencies = _health_while(server, post)
+    _check_error(response, 400, "context")  # tokenized: far longer than the model's context
+    assert took_s > 1.0 and len(latencies) >= 3, (took_s, latencies)  # it took a while...
+    assert max(latencies) < 1.0, latencies  # ...during which /health answered at once

@@ -13,6 +13,7 @@ import re
 import httpx
 import pytest
 from server_helpers import (
+    AUTH,
     GAUGES,
     LONG_ANSWER_CHAT,
     MODEL,
@@ -36,7 +37,7 @@ def test_health_models_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
-    text = httpx.get(f"{server}/metrics").text
+    text = httpx.get(f"{server}/metrics", headers=AUTH).text
     for name in GAUGES:
         assert re.search(rf"^{re.escape(name)}\{{.*\}} \S+$", text, re.MULTILINE), name
     assert re.search(

@@ -18,7 +18,7 @@ import torch
 from tandem import SamplingParams
 from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
 from tandem.llm import engine_config
-from tandem.server.engine_client import AsyncEngineClient, EngineDeadError
+from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, RequestFailed
 
 pytestmark = pytest.mark.slow  # tensor-parallel engine ranks in spawned processes
 
@@ -145,7 +145,16 @@ def test_invariant_no_hang_a_dead_rank_fails_requests_instead_of_hanging(tp_clie
         os.kill(client._processes[1].pid, signal.SIGKILL)
         return await task
 
-    with pytest.raises(EngineDeadError):
+    # The request fails: the leader's collective breaks (the core fails the batch), or the
+    # client finds the rank gone first; either way the client is dead soon after, naming it.
+    with pytest.raises((EngineDeadError, RequestFailed)):
         loop.run_until_complete(asyncio.wait_for(run(), TIMEOUT_S))
+
+    async def until_dead():
+        while client.dead is None:
+            await asyncio.sleep(0.1)
+
+    loop.run_until_complete(asyncio.wait_for(until_dead(), 10))
+    assert "rank1 exited" in client.dead
     loop.run_until_complete(client.shutdown())
     assert not any(process.is_alive() for process in client._processes)

@@ -375,3 +375,17 @@ def test_models_are_proxied_from_a_decode_instance():
     assert response.status_code == 200 and response.json() == models
     assert fleet.requests[0].url.path == "/v1/models"
     assert fleet.requests[0].headers["authorization"] == "Bearer k"
+
+
+def test_the_router_s_own_errors_are_in_openai_s_schema():
+    fleet = Fleet()
+    with fleet.router(max_request_body_bytes=1000) as client:
+        missing = client.get("/v1/no-such-route")
+        wrong_method = client.get("/v1/completions")
+        oversized = client.post("/v1/completions", json={"prompt": "x" * 2000})
+    for response, status in ((missing, 404), (wrong_method, 405), (oversized, 413)):
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["code"] == status and set(error) == {"message", "type", "param", "code"}
+    assert "1000 bytes" in oversized.json()["error"]["message"]
+    assert fleet.requests == []  # nothing was forwarded
