@@ -105,9 +105,7 @@ def test_decode_rows_launch_ahead_while_prompts_keep_joining(make_llm, prompts):
 
 
 @pytest.mark.parametrize("split_steps", [True, False])
-def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(
-    make_llm, prompts, split_steps
-):
+def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(make_llm, prompts, split_steps):
     """Models over the size bound (``split_steps`` off) launch each step as one part: ahead
     if every row is resolvable, else after the read; the outputs stay plain decoding's."""
     llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_num_seqs=4)
