@@ -29,7 +29,7 @@ READABLE = {"utf16", "bom"}
 # field: (values just inside the bounds: accepted, values just outside: refused naming it).
 # The output-length fields are set with max_tokens 2 around them (min_tokens <= max_tokens).
 BOUNDS = {
-    "max_tokens": ([1, 2, MAX_COUNT], [0, -1, MAX_COUNT + 1, I64 - 1]),
+    "max_tokens": ([1, 2], [0, -1, MAX_COUNT + 1, I64 - 1]),
     "temperature": ([0, MIN_TEMPERATURE, 0.7, 2, 1e300], [-1e-9, MIN_TEMPERATURE / 2, 5e-324, -1]),
     "top_p": ([1e-9, 0.5, 1], [0, -0.1, 1.0000001, 2]),
     "top_k": ([-1, 0, 1, VOCAB_SIZE - 1, VOCAB_SIZE, I64 - 1], [-2, -I64]),
