@@ -11,7 +11,6 @@ The module's server runs with ``--max-model-len 128`` so that no accepted case r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
@@ -24,8 +23,6 @@ from server_helpers import AUTH, assert_idle, wait_until_idle
 pytestmark = pytest.mark.slow  # a server process for the module
 
 CASES = all_cases()
-# Requests in flight at once: accepted ones share engine steps (the run takes minutes, not ten).
-CONCURRENCY = 16
 # What no client may see: a source path, a traceback, an exception's class path.
 LEAKS = re.compile(r"Traceback|File \"|\.py\b|/work/|/home/|/usr/|site-packages|0x[0-9a-f]{6,}")
 FINISH_REASONS = {"stop", "length"}
@@ -157,23 +154,14 @@ def _unique_ids(cases: list[Case]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def responses(server, reference) -> dict[int, httpx.Response]:
-    """Every case's response (by its index in CASES), sent CONCURRENCY at a time (after the
+def responses(http, reference) -> dict[int, httpx.Response]:
+    """Every case's response, by its index in CASES, sent one after another (after the
     reference, so that it is taken before any hostile case)."""
-
-    async def send_all() -> dict[int, httpx.Response]:
-        limit = asyncio.Semaphore(CONCURRENCY)
-        headers = {**AUTH, "Content-Type": "application/json"}
-        async with httpx.AsyncClient(base_url=f"{server}/v1", headers=headers, timeout=300) as c:
-
-            async def send(case: Case) -> httpx.Response:
-                async with limit:
-                    return await c.post(f"/{case.path}", content=case.content())
-
-            sent = await asyncio.gather(*(send(case) for case in CASES))
-        return dict(enumerate(sent))
-
-    return asyncio.run(send_all())
+    headers = {"Content-Type": "application/json"}
+    return {
+        i: http.post(f"/{case.path}", content=case.content(), headers=headers)
+        for i, case in enumerate(CASES)
+    }
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=_unique_ids(CASES))
