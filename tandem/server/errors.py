@@ -78,20 +78,34 @@ def _param_of(location: tuple) -> str | None:
     return name or None
 
 
+def _top_field(param: str | None) -> str | None:
+    """``messages`` for ``messages[0].content``."""
+    return re.split(r"[.\[]", param, maxsplit=1)[0] if param else None
+
+
 def _is_type_tag(part: str) -> bool:
     return "[" in part or part in {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 def validation_error_response(exc: RequestValidationError) -> Response:
-    """A 400 for a body that is not JSON or does not fit the request model."""
+    """A 400 for a body that is not JSON or does not fit the request model; ``param`` names
+    the field (for a value that fits no member of a union, the deepest field pydantic
+    reached, with what each member wanted)."""
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
+    if not errors:
+        return error_response(400, "request body: invalid request")
+    if any(e.get("type") == "json_invalid" for e in errors):
+        first = next(e for e in errors if e.get("type") == "json_invalid")
         return error_response(400, f"request body is not valid JSON: {first.get('msg', '')}")
-    param = _param_of(tuple(first.get("loc", ())))
-    why = first.get("msg", "invalid request")
+    located = [(_param_of(tuple(e.get("loc", ()))), e) for e in errors]
+    top = _top_field(located[0][0])
+    same_field = [(p, e) for p, e in located if top and _top_field(p) == top]
+    param, first = max(same_field or located[:1], key=lambda pe: len(pe[1].get("loc", ())))
     if first.get("type") == "missing" and param:
         return error_response(400, f"{param} is required", param=param)
+    if first.get("type") == "extra_forbidden" and param:
+        return error_response(400, f"{param}: unknown parameter", param=param)
+    why = "; or ".join(dict.fromkeys(e.get("msg", "invalid") for p, e in located if p == param))
     message = f"{param}: {why}" if param else f"request body: {why}"
     return error_response(400, message, param=param)
 

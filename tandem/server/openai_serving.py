@@ -4,6 +4,7 @@ OpenAI responses, whole or as server-sent events."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,8 +13,11 @@ from dataclasses import dataclass, field
 from tandem.outputs import PositionLogprobs, RequestOutput
 from tandem.sampling_params import ParamError, SamplingParams
 from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, RequestFailed
+from tandem.server.errors import public_message
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +40,7 @@ class PreparedRequest:
 
 def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> PreparedRequest:
     """A validated completion request (ParamError names a bad field)."""
+    body.check_supported()
     prompt = body.single_prompt()
     if isinstance(prompt, str):
         text, token_ids = prompt, client.tokenizer.encode(prompt)
@@ -48,11 +53,10 @@ def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> Pr
 def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> PreparedRequest:
     """A validated chat request (ParamError names a bad field; a prompt problem names
     ``messages``)."""
+    body.check_supported()
     if not body.messages:
         raise ParamError("messages", "messages must not be empty")
-    messages = [
-        {"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(body.messages)
-    ]
+    messages = [m.template_fields(f"messages[{i}]") for i, m in enumerate(body.messages)]
     max_tokens, max_tokens_field = body.checked_max_tokens()
     renamed = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
     params = body.to_sampling_params(max_tokens, body.checked_logprobs(), renamed)
@@ -275,14 +279,29 @@ class RequestRun:
                 offset += len(completion.text)
                 first = False
                 yield _sse(self._envelope([choice], chunk=True))
-        except (RequestFailed, EngineDeadError) as e:
+        except Exception as e:  # noqa: BLE001 (a client disconnect is not an Exception)
             # The stream has begun (status 200 sent): the error is its last event.
-            yield _sse(error_body(str(e), "server_error", 500))
+            yield _sse(stream_error(e))
             yield "data: [DONE]\n\n"
             return
         if self.prepared.include_usage:
             yield _sse({**self._envelope([], chunk=True), "usage": self.usage()})
         yield "data: [DONE]\n\n"
+
+
+def stream_error(exc: Exception) -> dict:
+    """The error event that ends a stream which failed after its 200, in OpenAI's error
+    schema, with the status the same failure gets without streaming."""
+    if isinstance(exc, ParamError):
+        return error_body(public_message(str(exc)), "invalid_request_error", 400, exc.param)
+    if isinstance(exc, ValueError):  # the core refused the request (RequestRejected)
+        return error_body(public_message(str(exc)), "invalid_request_error", 400)
+    if isinstance(exc, EngineDeadError):
+        return error_body(public_message(str(exc)), "service_unavailable", 503)
+    if isinstance(exc, RequestFailed):
+        return error_body(public_message(str(exc)), "server_error", 502)
+    logger.exception("stream failed")
+    return error_body("internal server error", "server_error", 500)
 
 
 def _sse(payload: dict) -> str:

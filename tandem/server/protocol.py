@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,15 +15,49 @@ from tandem.sampling_params import (
     check_text,
 )
 
+# Request bodies are strict (a string is not a number, 1 is not true) and closed (an unknown
+# field is a 400 naming it): nothing a client sends is silently coerced or ignored.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+# OpenAI fields Tandem does not implement, with the values that ask for nothing (accepted);
+# any other value is a 400 naming the field, never accepted and ignored.
+UNSUPPORTED_COMMON = MappingProxyType(
+    {
+        "logit_bias": (None, {}),
+        "presence_penalty": (None, 0),
+        "frequency_penalty": (None, 0),
+    }
+)
+UNSUPPORTED_COMPLETION = MappingProxyType(
+    {"echo": (False,), "best_of": (None, 1), "suffix": (None, "")}
+)
+UNSUPPORTED_CHAT = MappingProxyType(
+    {
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+        "parallel_tool_calls": (None,),
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "response_format": (None, {"type": "text"}),
+        "modalities": (None, ["text"]),
+        "audio": (None,),
+        "prediction": (None,),
+    }
+)
+
 
 class StreamOptions(BaseModel):
+    """``stream_options``: only with ``stream: true``."""
+
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -43,6 +78,24 @@ class SamplingFields(BaseModel):
     # vLLM's extension: each choice also carries the generated token ids.
     return_token_ids: bool = False
     user: str | None = None
+    # Not implemented: refused unless neutral (UNSUPPORTED_COMMON).
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def check_supported(self) -> None:
+        """ParamError naming the first field that asks for a feature Tandem does not have
+        (or ``stream_options`` without ``stream``)."""
+        unsupported = {**UNSUPPORTED_COMMON, **self._unsupported()}
+        for name, neutral in unsupported.items():
+            if not _is_neutral(getattr(self, name), neutral):
+                raise ParamError(name, f"{name} is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed with stream: true")
+
+    @staticmethod
+    def _unsupported() -> MappingProxyType:
+        return MappingProxyType({})
 
     def to_sampling_params(
         self, max_tokens: int | None, logprobs: int | None, renamed: dict[str, str] | None = None
@@ -75,12 +128,24 @@ class SamplingFields(BaseModel):
             raise ParamError(name, str(e).replace(e.param, name, 1)) from None
 
 
+def _is_neutral(value: object, neutral: tuple) -> bool:
+    """True if ``value`` is one of ``neutral`` (None only matching None: 0 is not None)."""
+    return any(value is None if v is None else value is not None and value == v for v in neutral)
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None)
+    # Not implemented: refused unless neutral (UNSUPPORTED_COMPLETION).
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @staticmethod
+    def _unsupported() -> MappingProxyType:
+        return UNSUPPORTED_COMPLETION
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a list of one prompt is accepted too)."""
@@ -104,15 +169,30 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported
+    (other types are refused by :meth:`ChatMessage.text`, naming the part)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One chat message; ``name`` is handed to the chat template with the rest."""
+
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
     def text(self, where: str = "messages") -> str:
         """The message's text; ParamError (``param`` is ``where`` and the part) for a part
-        that is not text or whose text is not a string of valid Unicode."""
+        that is not text, has no text or extra fields, or whose text is not valid Unicode."""
+        if self.name is not None:
+            check_text(f"{where}.name", self.name)
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -121,13 +201,25 @@ class ChatMessage(BaseModel):
         parts = []
         for i, part in enumerate(self.content):
             name = f"{where}.content[{i}]"
-            if part.get("type") != "text":
-                kind = part.get("type")
-                shown = repr(kind) if isinstance(kind, str) and len(kind) < 40 else "not text"
+            if part.type != "text":
+                kind = part.type
+                shown = repr(kind) if len(kind) < 40 else "not text"
                 raise ParamError(f"{name}.type", f"{name}: content part type {shown} is not text")
-            check_text(f"{name}.text", part.get("text", ""))
-            parts.append(part.get("text", ""))
+            if part.model_extra:
+                extra = sorted(part.model_extra)[0]
+                raise ParamError(f"{name}.{extra}", f"{name}: unknown field in a text part")
+            if part.text is None:
+                raise ParamError(f"{name}.text", f"{name}.text is required")
+            check_text(f"{name}.text", part.text)
+            parts.append(part.text)
         return "".join(parts)
+
+    def template_fields(self, where: str) -> dict[str, str]:
+        """The message as the chat template reads it (validated, see :meth:`text`)."""
+        fields = {"role": self.role, "content": self.text(where)}
+        if self.name is not None:
+            fields["name"] = self.name
+        return fields
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -138,6 +230,20 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Not implemented: refused unless neutral (UNSUPPORTED_CHAT).
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+
+    @staticmethod
+    def _unsupported() -> MappingProxyType:
+        return UNSUPPORTED_CHAT
 
     def checked_logprobs(self) -> int | None:
         """The number of top logprobs asked for (None: no logprobs)."""

@@ -30,7 +30,13 @@ def offline(llm_cache) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def server(request) -> str:
+def server_args() -> list[str]:
+    """Extra ``tandem serve`` arguments of the module's server (a module overrides this)."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def server(request, server_args) -> str:
     """Start ``tandem serve --api-key`` once; yields its base URL (without /v1)."""
     import httpx  # here, not at the top: GPU hosts run other e2e tests without it
 
@@ -52,6 +58,7 @@ def server(request) -> str:
                 API_KEY,
                 "--log-level",
                 "warning",
+                *server_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
