@@ -8,6 +8,13 @@ import importlib
 import logging
 import sys
 
+DISAGG_SECRET_HELP = (
+    "PD: the deployment's shared secret (at least 16 characters; default: the environment "
+    "variable TANDEM_DISAGG_SECRET, the better place for it). The same on every prefill and "
+    "decode instance and the router: control messages are signed with it, and a decode "
+    "instance calls only a prefill URL that the router signed with it"
+)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that starts an engine."""
@@ -129,12 +136,16 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.config import DisaggConfig
+    from tandem.disagg.trust import require_secret, resolve_secret
     from tandem.models.loader import DEFAULT_SERVED_NAME, resolve_model
     from tandem.models.tensor_parallel import check_rank_devices
     from tandem.server.app import build_app
     from tandem.server.engine_client import AsyncEngineClient
 
     check_rank_devices(args.device, args.tensor_parallel_size)  # before any process starts
+    secret = resolve_secret(args.disagg_secret)
+    if args.role != "mixed":
+        require_secret(secret, f"--role {args.role}")
     config = replace(
         engine_config(args),
         disagg=DisaggConfig(
@@ -143,6 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
             control_host=args.disagg_host,
             control_port=args.disagg_port,
             transfer_timeout_s=args.transfer_timeout_s,
+            secret=secret,
         ),
     )
     name = args.served_model_name
@@ -151,15 +163,21 @@ def _serve(args: argparse.Namespace) -> int:
         name = DEFAULT_SERVED_NAME if args.model is None else path.rstrip("/").split("/")[-1]
     client = AsyncEngineClient(config)
     app = build_app(
-        client, name, api_key=args.api_key, max_pending_requests=args.max_pending_requests
+        client,
+        name,
+        api_key=args.api_key,
+        max_pending_requests=args.max_pending_requests,
+        disagg_secret=secret,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
 def _router(args: argparse.Namespace) -> int:
+    from tandem.disagg.trust import require_secret, resolve_secret
     from tandem.server.router import run_router
 
+    secret = require_secret(resolve_secret(args.disagg_secret), "tandem router")
     run_router(
         args.prefill,
         args.decode,
@@ -168,6 +186,7 @@ def _router(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         health_interval_s=args.health_interval_s,
         request_timeout_s=args.request_timeout_s,
+        disagg_secret=secret,
     )
     return 0
 
@@ -221,11 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--disagg-host",
         default="127.0.0.1",
-        help="address peers reach this instance's control channel and KV on",
+        help="address peers reach this instance's control channel and KV on (the control "
+        "channel and the NCCL connector listen only there; Mooncake 0.3 listens on every "
+        "interface: see docs/architecture.md)",
     )
     serve.add_argument(
         "--disagg-port", type=int, default=0, help="control channel port (default: a free one)"
     )
+    serve.add_argument("--disagg-secret", default=None, help=DISAGG_SECRET_HELP)
     serve.add_argument(
         "--transfer-timeout-s",
         type=float,
@@ -253,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--health-interval-s", type=float, default=2.0)
     router.add_argument("--request-timeout-s", type=float, default=600.0)
     router.add_argument("--log-level", default="info")
+    router.add_argument("--disagg-secret", default=None, help=DISAGG_SECRET_HELP)
     router.set_defaults(handler=_router)
 
     train = commands.add_parser("train-mtp", help="distill an MTP head for a base model")

@@ -154,6 +154,7 @@ class DecodeRole:
             )
             if not sent:
                 self._pending[request_id].answered = True  # nothing can come
+                self.channel.forget(request.remote_prefill)
                 updates += self._fail(
                     request_id, f"could not reach prefill instance {request.remote_prefill}"
                 )
@@ -164,6 +165,7 @@ class DecodeRole:
         request = scheduler.receiving.get(request_id)
         if request is None:
             return []  # it ended meanwhile; its held blocks are released by _expire
+        _check_vocabulary(ready, self.core.arch.vocab_size)
         insert_handoff(
             self.core.pipeline,
             request_id,
@@ -189,6 +191,9 @@ class DecodeRole:
         for request_id, pending in list(self._pending.items()):
             if request_id in scheduler.receiving:
                 if now - pending.sent_at > self.timeout_s:
+                    # What is still queued for a silent peer must never reach it late (a
+                    # restarted instance on the same port would run stale tasks).
+                    self.channel.forget(pending.prefill)
                     updates += self._fail(
                         request_id,
                         "no KV from prefill instance "
@@ -220,3 +225,14 @@ class DecodeRole:
         return [
             RequestUpdate(request_id, [], [], [], RequestStatus.FINISHED_ERROR.value, error=error)
         ]
+
+
+def _check_vocabulary(ready: KVReady, vocab_size: int) -> None:
+    """ValueError if a token id that the prefill instance sent is not in the vocabulary."""
+    ids = [ready.token_id, *ready.handoff.drafts]
+    for entries in (ready.logprobs, ready.prompt_logprobs):
+        for token, _, _, top in entries:
+            ids += [token, *(top_token for top_token, _ in top)]
+    bad = next((token for token in ids if token >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")

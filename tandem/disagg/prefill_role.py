@@ -56,6 +56,7 @@ class _Job:
     num_bytes: int = 0  # KV bytes written (all layers, keys and values)
     future: Future | None = None
     started: bool = False  # the decode instance was told the request runs here
+    writing: bool = False  # ... and that its KV write has begun
     cancelled: bool = False
     error: str | None = None  # why the request failed here (a fault while it ran)
 
@@ -97,6 +98,7 @@ class PrefillRole:
                     self.core.scheduler.release_held(message.request_id)
                     self._reply_failed(message.reply_to, message.request_id, f"bad task: {error}")
         self._report_started()
+        self._report_writing()
         self._reap()
         return []
 
@@ -110,6 +112,15 @@ class PrefillRole:
             if request is not None and request.status is RequestStatus.RUNNING:
                 job.started = True
                 self.channel.send(job.reply_to, PrefillStarted(job.request_id))
+
+    def _report_writing(self) -> None:
+        """Tell decode instances whose KV write a writer thread has begun (their timeout
+        restarts from the write itself, not from its place in the queue)."""
+        for job in self._jobs.values():
+            if job.future is not None and not job.writing and not job.cancelled:
+                if job.future.running() or job.future.done():
+                    job.writing = True
+                    self.channel.send(job.reply_to, KVTransferring(job.request_id))
 
     def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
         """Keep the updates of requests run for decode instances (they are not this
@@ -175,6 +186,8 @@ class PrefillRole:
             self._reply_failed(job.reply_to, job.request_id, str(e))
             self._drop(job)
             return
+        # The decode side's clock restarts now (the first token is done) and again when the
+        # write leaves the queue (``_report_writing``): waiting for a writer is not a stall.
         self.channel.send(job.reply_to, KVTransferring(job.request_id))
         layout = self.connector.descriptor()
         job.num_bytes = 2 * layout["num_layers"] * layout["block_bytes"] * len(src_blocks)

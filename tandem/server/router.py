@@ -2,8 +2,10 @@
 
 For each request the router picks one healthy prefill and one healthy decode instance
 (round-robin per role) and forwards the client's body unchanged to the decode instance,
-naming the prefill in the ``x-tandem-prefill-url`` header: the decode instance asks that
-prefill to run the prompt and hand over the KV cache. Responses are relayed as they arrive.
+naming the prefill in the ``x-tandem-prefill-url`` header, signed with the deployment's
+shared secret (``x-tandem-prefill-signature``; a decode instance honours no unsigned one):
+the decode instance asks that prefill to run the prompt and hand over the KV cache.
+Responses are relayed as they arrive.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.disagg.trust import PREFILL_SIGNATURE_HEADER, sign_prefill_url
 from tandem.server.protocol import PREFILL_URL_HEADER, error_body
 
 ROLES = ("prefill", "decode")
@@ -279,6 +282,14 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Respon
                 await task
 
 
+def _prefill_headers(prefill_url: str, secret: str | None) -> dict[str, str]:
+    """The headers naming the prefill instance, signed when a secret is set."""
+    headers = {PREFILL_URL_HEADER: prefill_url}
+    if secret:
+        headers[PREFILL_SIGNATURE_HEADER] = sign_prefill_url(secret, prefill_url)
+    return headers
+
+
 def build_router_app(
     prefill_urls: list[str],
     decode_urls: list[str],
@@ -286,10 +297,12 @@ def build_router_app(
     health_interval_s: float = 2.0,
     request_timeout_s: float = 600.0,
     transport: httpx.AsyncBaseTransport | None = None,
+    disagg_secret: str | None = None,
 ) -> FastAPI:
     """A router app over the given instances; its state is ``app.state.router`` (RouterState).
 
-    ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
+    ``disagg_secret`` signs the prefill URL it names (decode instances refuse an unsigned
+    one); ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
     """
     state = RouterState(prefill_urls, decode_urls, health_interval_s, request_timeout_s, transport)
 
@@ -342,7 +355,7 @@ def build_router_app(
         prefill = state.pick_or_503("prefill")
         headers = {
             "content-type": "application/json",
-            PREFILL_URL_HEADER: prefill.url,
+            **_prefill_headers(prefill.url, disagg_secret),
             **auth_headers(request),
         }
         stream = body.get("stream") is True

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow  # a prefill/decode pair and a mixed engine core, 
 MAX_TOKENS = 16
 NUM_BLOCKS = 256
 LOGPROB_TOLERANCE = 1e-4
+SECRET = "test-pd-core-shared-secret"
 
 
 def _config(role: str, mtp: bool, timeout_s: float = 30.0) -> EngineConfig:
@@ -35,7 +36,7 @@ def _config(role: str, mtp: bool, timeout_s: float = 30.0) -> EngineConfig:
     return EngineConfig(
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
         speculative=spec,
-        disagg=DisaggConfig(role=role, transfer_timeout_s=timeout_s),
+        disagg=DisaggConfig(role=role, transfer_timeout_s=timeout_s, secret=SECRET),
     )
 
 

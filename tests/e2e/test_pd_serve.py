@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from tandem.bench.datasets import load_mtbench
+from tandem.disagg.trust import PREFILL_SIGNATURE_HEADER, SECRET_ENV, sign_prefill_url
 from tandem.engine_process import free_port
 from tandem.server.protocol import PREFILL_URL_HEADER
 
@@ -37,6 +38,7 @@ MAX_TOKENS = 16
 TRANSFER_TIMEOUT_S = 6.0
 LOGPROB_TOLERANCE = 1e-4
 ENGINE_ARGS = ["--kv-cache-memory-gb", "0.25", "--log-level", "warning"]
+SECRET = "test-pd-serve-shared-secret"
 
 
 class Fleet:
@@ -64,6 +66,7 @@ class Fleet:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, SECRET_ENV: SECRET},
             )
         self.urls[name] = f"http://127.0.0.1:{port}"
         return self.urls[name]
@@ -336,7 +339,10 @@ def test_stalled_prefill_times_out_and_recovers(broken_fleet, prompts):
     """Sent to the decode instance as the router sends it (the router itself would soon
     route around the stalled instance, which its health checks find)."""
     urls = broken_fleet.urls
-    header = {PREFILL_URL_HEADER: urls["prefill"]}
+    header = {
+        PREFILL_URL_HEADER: urls["prefill"],
+        PREFILL_SIGNATURE_HEADER: sign_prefill_url(SECRET, urls["prefill"]),
+    }
     assert complete(urls["decode"], prompts[1], False, headers=header)["error"] is None
     broken_fleet.signal("prefill", signal.SIGSTOP)
     start = time.monotonic()
