@@ -2,8 +2,9 @@
 
 A decode instance sends a ``PrefillTask`` (``tandem.messages``). The request runs here like
 any other but stops after its first token (which is sampled, with its logprobs, and drafted
-from by the MTP head with the request's own sampling parameters) and keeps its blocks. When
-it starts running here the decode instance hears ``PrefillStarted``; when the token is done,
+from by the MTP head with the request's own sampling parameters) and keeps its blocks. While
+it waits and runs here the decode instance hears ``PrefillStarted`` every quarter of its
+timeout (a busy or cold instance is not a dead one); when the token is done,
 this side tells it ``KVTransferring`` (its timeout starts again from there) and, in a
 background thread, the connector writes the prompt's KV blocks (target and MTP layers) into
 the decode instance's ``dst_blocks``; only after the write has completed the decode instance
@@ -33,10 +34,14 @@ from tandem.messages import (
     PrefillStarted,
     PrefillTask,
 )
-from tandem.request import Request, RequestStatus
+from tandem.request import Request
 from tandem.step import RequestUpdate
 
 logger = logging.getLogger("tandem.disagg")
+
+# A held request is reported this many times per decode-side timeout (one lost or late
+# report does not fail it).
+PROGRESS_REPORTS_PER_TIMEOUT = 4
 
 
 @dataclass
@@ -55,7 +60,8 @@ class _Job:
     handoff: Handoff | None = None
     num_bytes: int = 0  # KV bytes written (all layers, keys and values)
     future: Future | None = None
-    started: bool = False  # the decode instance was told the request runs here
+    progress_interval_s: float = 1.0  # how often the decode instance hears it is held here
+    reported_at: float = float("-inf")  # when it last heard so
     writing: bool = False  # ... and that its KV write has begun
     cancelled: bool = False
     error: str | None = None  # why the request failed here (a fault while it ran)
@@ -97,20 +103,23 @@ class PrefillRole:
                     self.core.abort_request(message.request_id)  # if it got in
                     self.core.scheduler.release_held(message.request_id)
                     self._reply_failed(message.reply_to, message.request_id, f"bad task: {error}")
-        self._report_started()
+        self._report_progress()
         self._report_writing()
         self._reap()
         return []
 
-    def _report_started(self) -> None:
-        """Tell decode instances which of their requests began running here (their
-        timeout restarts: a busy prefill instance's queue is not a dead one)."""
+    def _report_progress(self) -> None:
+        """Tell decode instances that their requests are held here, on acceptance and then
+        every few seconds while they wait or run (once per loop turn at most): their timeout
+        restarts, so it measures a silent or stalled instance, never a busy one's queue or
+        a cold start's slow first steps. Nothing is sent once the write is queued (the
+        write reports its own progress, ``_report_writing``)."""
+        now = time.monotonic()
         for job in self._jobs.values():
-            if job.started:
+            if job.future is not None or now - job.reported_at < job.progress_interval_s:
                 continue
-            request = self.core.scheduler.requests.get(job.request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                job.started = True
+            if job.request_id in self.core.scheduler.requests:
+                job.reported_at = now
                 self.channel.send(job.reply_to, PrefillStarted(job.request_id))
 
     def _report_writing(self) -> None:
@@ -166,7 +175,12 @@ class PrefillRole:
             self._reply_failed(reply_to, request_id, f"{type(e).__name__}: {e}")
             return
         self._jobs[request_id] = _Job(
-            request_id, reply_to, task.kv, list(task.dst_blocks), request.num_prompt_tokens
+            request_id,
+            reply_to,
+            task.kv,
+            list(task.dst_blocks),
+            request.num_prompt_tokens,
+            progress_interval_s=task.timeout_s / PROGRESS_REPORTS_PER_TIMEOUT,
         )
 
     def _submit(self, job: _Job) -> None:

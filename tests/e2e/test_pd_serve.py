@@ -48,9 +48,12 @@ class Fleet:
         self.logs = tempfile.TemporaryDirectory(prefix="tandem-pd-")
         self.procs: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
+        self.args: dict[str, list[str]] = {}
 
-    def start(self, name: str, args: list[str]) -> str:
-        port = free_port()
+    def start(self, name: str, args: list[str], port: int | None = None) -> str:
+        """Start ``tandem args`` as ``name`` on ``port`` (default: a free one); its URL."""
+        port = port or free_port()
+        self.args[name] = args
         with open(os.path.join(self.logs.name, f"{name}.log"), "wb") as log:
             self.procs[name] = subprocess.Popen(
                 [

@@ -12,7 +12,7 @@ from tandem.core.kv_cache import BlockManager
 from tandem.core.scheduler import Scheduler
 from tandem.disagg.decode_role import DecodeRole
 from tandem.disagg.prefill_role import PrefillRole
-from tandem.messages import KVFailed, KVReady, PrefillTask
+from tandem.messages import KVFailed, KVReady, PrefillStarted, PrefillTask
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 
@@ -144,9 +144,34 @@ def test_a_prefill_request_failed_by_a_fault_is_answered_with_its_error(monkeypa
         core.scheduler.schedule()  # it runs: its blocks are taken
         core.scheduler.fail_request("tcp://decode/r", "injected fault in its step")
         assert role.after_step(core.scheduler.take_failed_updates()) == []
-        [(peer, answer)] = channel.sent
+        (peer, held), (_, answer) = channel.sent
+        assert isinstance(held, PrefillStarted)  # held here: the decode side's clock restarts
         assert isinstance(answer, KVFailed) and answer.error == "injected fault in its step"
         assert not role.busy and not core.scheduler.held
         assert core.block_manager.all_blocks_free()
+    finally:
+        role._pool.shutdown(wait=True)
+
+
+def test_a_held_prefill_request_is_reported_until_its_write_is_queued(monkeypatch):
+    """The decode side hears of a request on acceptance and again every quarter of its
+    timeout while it waits here (a busy or cold prefill instance is not a dead one)."""
+    monkeypatch.setattr("tandem.disagg.prefill_role.check_compatible", lambda mine, theirs: None)
+    clock = [100.0]
+    monkeypatch.setattr("tandem.disagg.prefill_role.time.monotonic", lambda: clock[0])
+    core = _core()
+    channel = FakeChannel()
+    role = PrefillRole(core, channel, FakeConnector())
+    try:
+        task = PrefillTask(
+            "tcp://decode/r", [1, 2, 3], SamplingParams(), reply_to="tcp://decode", timeout_s=4.0
+        )
+        channel.inbox = [task]
+        role.poll(wait=False)
+        role.poll(wait=False)  # within the interval: nothing new
+        clock[0] += 1.01
+        role.poll(wait=False)
+        reports = [m for _, m in channel.sent if isinstance(m, PrefillStarted)]
+        assert [m.request_id for m in reports] == ["tcp://decode/r"] * 2
     finally:
         role._pool.shutdown(wait=True)
