@@ -241,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--disagg-host",
         default="127.0.0.1",
         help="address peers reach this instance's control channel and KV on (the control "
-        "channel and the NCCL connector listen only there; Mooncake 0.3 listens on every "
-        "interface: see docs/architecture.md)",
+        "channel listens only there; Mooncake 0.3's ports and the NCCL connector's store "
+        "listen on every interface: see docs/architecture.md, PD trust)",
     )
     serve.add_argument(
         "--disagg-port", type=int, default=0, help="control channel port (default: a free one)"
