@@ -2,10 +2,8 @@
 
 For each request the router picks one healthy prefill and one healthy decode instance
 (round-robin per role) and forwards the client's body unchanged to the decode instance,
-naming the prefill in the ``x-tandem-prefill-url`` header, signed with the deployment's
-shared secret (``x-tandem-prefill-signature``; a decode instance honours no unsigned one):
-the decode instance asks that prefill to run the prompt and hand over the KV cache.
-Responses are relayed as they arrive.
+naming the prefill in a header the router signs (``tandem.disagg.trust``): the decode
+instance asks it to run the prompt and hand over the KV cache. Responses are relayed.
 """
 
 from __future__ import annotations
@@ -282,12 +280,10 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Respon
                 await task
 
 
-def _prefill_headers(prefill_url: str, secret: str | None) -> dict[str, str]:
+def _prefill_headers(url: str, secret: str | None) -> dict[str, str]:
     """The headers naming the prefill instance, signed when a secret is set."""
-    headers = {PREFILL_URL_HEADER: prefill_url}
-    if secret:
-        headers[PREFILL_SIGNATURE_HEADER] = sign_prefill_url(secret, prefill_url)
-    return headers
+    signed = {PREFILL_SIGNATURE_HEADER: sign_prefill_url(secret, url)} if secret else {}
+    return {PREFILL_URL_HEADER: url, **signed}
 
 
 def build_router_app(
