@@ -90,26 +90,14 @@ def open_frame(key: bytes, frame: bytes, guard: ReplayGuard, now_s: float | None
     return stamped[_STAMP.size :]
 
 
-class ControlChannel:
-    """Receives this engine's control messages and sends messages to peers, every frame
-    signed with ``key`` (``tandem.disagg.trust.derive_key(secret, "control")``)."""
+class ControlSender:
+    """Signed sends to peers, one PUSH socket per peer address. A ZeroMQ socket is not
+    thread-safe: a sender is used (and closed) by one thread only; another thread opens its
+    own with ``ControlChannel.open_sender``."""
 
-    def __init__(self, host: str, port: int, accepts: tuple[type[Message], ...], key: bytes):
-        """Bind the inbox on ``host``:``port`` (0: a free port); ``accepts`` are the message
-        types this side takes (others are dropped with a log line)."""
-        if len(key) < 16:
-            raise ValueError("key: expected at least 16 bytes")
+    def __init__(self, context: zmq.Context, key: bytes):
+        self._context = context
         self._key = key
-        self._accepts = accepts
-        self._guard = ReplayGuard()
-        self._context = zmq.Context()
-        self._inbox = self._context.socket(zmq.PULL)
-        self._inbox.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if port:
-            self._inbox.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._inbox.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
         self._peers: dict[str, zmq.Socket] = {}
 
     def send(self, address: str, message: Message) -> bool:
@@ -138,6 +126,51 @@ class ControlChannel:
         if socket is not None:
             socket.close(linger=0)
 
+    def close(self) -> None:
+        """Close every socket to a peer."""
+        for socket in self._peers.values():
+            socket.close(linger=0)
+        self._peers.clear()
+
+
+class ControlChannel:
+    """Receives this engine's control messages and sends messages to peers, every frame
+    signed with ``key`` (``tandem.disagg.trust.derive_key(secret, "control")``). Used by the
+    engine loop's thread; other threads send through senders of their own
+    (``open_sender``), closed before the channel."""
+
+    def __init__(self, host: str, port: int, accepts: tuple[type[Message], ...], key: bytes):
+        """Bind the inbox on ``host``:``port`` (0: a free port); ``accepts`` are the message
+        types this side takes (others are dropped with a log line)."""
+        if len(key) < 16:
+            raise ValueError("key: expected at least 16 bytes")
+        self._key = key
+        self._accepts = accepts
+        self._guard = ReplayGuard()
+        self._context = zmq.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if port:
+            self._inbox.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._inbox.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._sender = ControlSender(self._context, key)
+
+    def send(self, address: str, message: Message) -> bool:
+        """Queue ``message`` for the peer at ``address``; False if it cannot be queued."""
+        return self._sender.send(address, message)
+
+    def forget(self, address: str) -> None:
+        """Close the socket to ``address`` (a peer that moved or died: nothing more goes
+        there, and nothing queued for it is kept)."""
+        self._sender.forget(address)
+
+    def open_sender(self) -> ControlSender:
+        """A sender of its own for another thread, signing with this channel's key (the
+        thread closes it before the channel is closed)."""
+        return ControlSender(self._context, self._key)
+
     def receive(self, timeout_ms: int = 0) -> list[Message]:
         """Every authentic, well-formed message waiting, after waiting up to ``timeout_ms``
         for the first; any other frame is dropped with a warning."""
@@ -152,8 +185,8 @@ class ControlChannel:
         return messages
 
     def close(self) -> None:
-        """Close every socket."""
-        for socket in self._peers.values():
-            socket.close(linger=0)
+        """Close every socket (senders opened for other threads must be closed already:
+        the context waits for them)."""
+        self._sender.close()
         self._inbox.close(linger=0)
         self._context.term()

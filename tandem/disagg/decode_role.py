@@ -9,8 +9,9 @@ request here and free its blocks), and its next step verifies the handed-over dr
 
 Failures end the request with an error, never a hang: ``kv_failed``, a request that could
 not be sent, or no word within ``transfer_timeout_s`` (counted from the request, and again
-from the prefill instance's ``started`` and ``transferring``: a busy prefill instance's queue
-is not a dead one, and the write itself must end in time). The blocks of a request that
+from each of the prefill instance's ``started`` and ``transferring``: it reports the request
+every quarter of the timeout from a thread of its own until it answers, so the timeout
+measures a silent prefill instance, never a busy one). The blocks of a request that
 ended while its KV might still be coming (an error, a timeout, a client abort) are held
 until the prefill instance answers or a second timeout has passed, so a late write can
 never land in blocks another request uses.
@@ -47,7 +48,7 @@ class _Pending:
     sent_at: float
     answered: bool = False
     cancel_sent: bool = False
-    transferring_at: float = 0.0  # when the prefill instance last reported progress
+    transferring_at: float = 0.0  # when the prefill instance last said its write began
 
 
 class DecodeRole:
@@ -101,9 +102,11 @@ class DecodeRole:
         if pending is None:
             return updates
         if isinstance(message, (PrefillStarted, KVTransferring)):
-            # The prefill instance runs it, then writes its KV: the clock restarts.
-            pending.sent_at = time.monotonic()
-            pending.transferring_at = pending.sent_at
+            if not pending.answered:  # a report can overtake the answer (another socket)
+                # The prefill instance holds it, or writes its KV: the clock restarts.
+                pending.sent_at = time.monotonic()
+                if isinstance(message, KVTransferring):
+                    pending.transferring_at = pending.sent_at
             return updates
         pending.answered = True
         if isinstance(message, KVReady):

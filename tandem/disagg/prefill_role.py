@@ -2,17 +2,18 @@
 
 A decode instance sends a ``PrefillTask`` (``tandem.messages``). The request runs here like
 any other but stops after its first token (which is sampled, with its logprobs, and drafted
-from by the MTP head with the request's own sampling parameters) and keeps its blocks. While
-it waits and runs here the decode instance hears ``PrefillStarted`` every quarter of its
-timeout (a busy or cold instance is not a dead one); when the token is done,
-this side tells it ``KVTransferring`` (its timeout starts again from there) and, in a
-background thread, the connector writes the prompt's KV blocks (target and MTP layers) into
-the decode instance's ``dst_blocks``; only after the write has completed the decode instance
-gets ``KVReady`` with the first token, its logprobs, the prompt logprobs, the drafts and the
-key seed of its random numbers; or ``KVFailed`` with the reason. Either way the blocks are freed
-here. A ``PrefillCancel`` that comes before the write starts ends the request here; one that
-comes later lets the write finish (the decode instance holds those blocks until it hears
-back, or for a second timeout).
+from by the MTP head with the request's own sampling parameters) and keeps its blocks. From
+receipt until its answer is sent the decode instance hears ``PrefillStarted`` every quarter
+of its timeout, from a thread that also receives the tasks (``tandem.disagg.liveness``: a
+step can last longer than the timeout, and a busy instance is not a dead one); when the token is
+done, this side tells it ``KVTransferring`` and, in a background thread, the connector
+writes the prompt's KV blocks (target and MTP layers) into the decode instance's
+``dst_blocks``; only after the write has completed the decode instance gets ``KVReady`` with
+the first token, its logprobs, the prompt logprobs, the drafts and the key seed of its
+random numbers; or ``KVFailed`` with the reason. Either way the blocks are freed here. A
+``PrefillCancel`` that comes before the write starts ends the request here; one that comes
+later lets the write finish (the decode instance holds those blocks until it hears back, or
+for a second timeout).
 """
 
 from __future__ import annotations
@@ -25,23 +26,19 @@ from dataclasses import dataclass, field, replace
 from tandem.disagg.control import ControlChannel
 from tandem.disagg.handoff import export_handoff
 from tandem.disagg.kv_connector import KVConnector, KVTransferError, check_compatible
+from tandem.disagg.liveness import PrefillInbox
 from tandem.messages import (
     Handoff,
     KVFailed,
     KVReady,
     KVTransferring,
     PrefillCancel,
-    PrefillStarted,
     PrefillTask,
 )
 from tandem.request import Request
 from tandem.step import RequestUpdate
 
 logger = logging.getLogger("tandem.disagg")
-
-# A held request is reported this many times per decode-side timeout (one lost or late
-# report does not fail it).
-PROGRESS_REPORTS_PER_TIMEOUT = 4
 
 
 @dataclass
@@ -60,9 +57,7 @@ class _Job:
     handoff: Handoff | None = None
     num_bytes: int = 0  # KV bytes written (all layers, keys and values)
     future: Future | None = None
-    progress_interval_s: float = 1.0  # how often the decode instance hears it is held here
-    reported_at: float = float("-inf")  # when it last heard so
-    writing: bool = False  # ... and that its KV write has begun
+    writing: bool = False  # the decode instance heard that its KV write has begun
     cancelled: bool = False
     error: str | None = None  # why the request failed here (a fault while it ran)
 
@@ -82,6 +77,8 @@ class PrefillRole:
             "pd_failures": 0,
         }
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-write")
+        # Receives tasks and reports the held requests while the engine loop is in a step.
+        self._inbox = PrefillInbox(channel, channel.open_sender())
 
     @property
     def busy(self) -> bool:
@@ -91,7 +88,7 @@ class PrefillRole:
     def poll(self, wait: bool) -> list[RequestUpdate]:
         """Take new prefill requests and cancels; report finished transfers."""
         # Idle: wait for work (briefly while transfers run, to see them end soon).
-        for message in self.channel.receive((1 if self._jobs else 10) if wait else 0):
+        for message in self._inbox.take(((1 if self._jobs else 10) if wait else 0) / 1000):
             try:
                 if isinstance(message, PrefillTask):
                     self._start(message)
@@ -103,24 +100,9 @@ class PrefillRole:
                     self.core.abort_request(message.request_id)  # if it got in
                     self.core.scheduler.release_held(message.request_id)
                     self._reply_failed(message.reply_to, message.request_id, f"bad task: {error}")
-        self._report_progress()
         self._report_writing()
         self._reap()
         return []
-
-    def _report_progress(self) -> None:
-        """Tell decode instances that their requests are held here, on acceptance and then
-        every few seconds while they wait or run (once per loop turn at most): their timeout
-        restarts, so it measures a silent or stalled instance, never a busy one's queue or
-        a cold start's slow first steps. Nothing is sent once the write is queued (the
-        write reports its own progress, ``_report_writing``)."""
-        now = time.monotonic()
-        for job in self._jobs.values():
-            if job.future is not None or now - job.reported_at < job.progress_interval_s:
-                continue
-            if job.request_id in self.core.scheduler.requests:
-                job.reported_at = now
-                self.channel.send(job.reply_to, PrefillStarted(job.request_id))
 
     def _report_writing(self) -> None:
         """Tell decode instances whose KV write a writer thread has begun (their timeout
@@ -154,8 +136,9 @@ class PrefillRole:
         return self.channel.address
 
     def close(self) -> None:
-        """Stop the transfer threads (waiting for the ones running), then close the
-        connector and the channel."""
+        """Stop the inbox thread and the transfer threads (waiting for the ones
+        running), then close the connector and the channel."""
+        self._inbox.close()
         self._pool.shutdown(wait=True)
         self.connector.close()
         self.channel.close()
@@ -175,12 +158,7 @@ class PrefillRole:
             self._reply_failed(reply_to, request_id, f"{type(e).__name__}: {e}")
             return
         self._jobs[request_id] = _Job(
-            request_id,
-            reply_to,
-            task.kv,
-            list(task.dst_blocks),
-            request.num_prompt_tokens,
-            progress_interval_s=task.timeout_s / PROGRESS_REPORTS_PER_TIMEOUT,
+            request_id, reply_to, task.kv, list(task.dst_blocks), request.num_prompt_tokens
         )
 
     def _submit(self, job: _Job) -> None:
@@ -200,8 +178,8 @@ class PrefillRole:
             self._reply_failed(job.reply_to, job.request_id, str(e))
             self._drop(job)
             return
-        # The decode side's clock restarts now (the first token is done) and again when the
-        # write leaves the queue (``_report_writing``): waiting for a writer is not a stall.
+        # The decode side hears that the first token is done, and again when the write
+        # leaves the queue (``_report_writing``); the liveness reports go on until the answer.
         self.channel.send(job.reply_to, KVTransferring(job.request_id))
         layout = self.connector.descriptor()
         job.num_bytes = 2 * layout["num_layers"] * layout["block_bytes"] * len(src_blocks)
@@ -249,6 +227,7 @@ class PrefillRole:
             self._drop(job)
 
     def _drop(self, job: _Job) -> None:
+        self._inbox.release(job.request_id)
         self._jobs.pop(job.request_id, None)
         self.core.scheduler.release_held(job.request_id)
 
@@ -256,3 +235,4 @@ class PrefillRole:
         self.counters["pd_failures"] += 1
         logger.warning("prefill for %s failed: %s", request_id, error)
         self.channel.send(reply_to, KVFailed(request_id, error))
+        self._inbox.release(request_id)

@@ -53,12 +53,6 @@ def prompts() -> list[list[int]]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="not fixed yet: on a loaded CPU (load 5 on 2 cores) all 30 still fail the 6 s "
-    "timeout with the prefill's progress reports in place; suspected a single prefill step "
-    "longer than the timeout (unverified; docs/architecture.md, PD handoff)",
-)
 def test_a_cold_pair_serves_its_first_30_concurrent_requests(fleet, prompts):
     with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
         results = list(pool.map(lambda p: complete(fleet.urls["router"], p, False), prompts))

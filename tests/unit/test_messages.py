@@ -129,7 +129,7 @@ def test_the_control_channel_drops_malformed_messages_and_keeps_the_good_ones():
     sender = ControlChannel("127.0.0.1", 0, TO_PREFILL, key)
     try:
         assert sender.send(receiver.address, KVFailed("a", "x"))
-        socket = sender._peers[receiver.address]
+        socket = sender._sender._peers[receiver.address]
         socket.send(sign_frame(key, b"not msgpack \xc1"))
         socket.send(sign_frame(key, _frame("prefill", {"request_id": "forged"})))  # not taken here
         assert sender.send(receiver.address, PrefillStarted("b"))

@@ -70,7 +70,7 @@ def test_forged_tampered_stale_and_replayed_frames_are_dropped_and_good_ones_pas
     sender = ControlChannel("127.0.0.1", 0, TO_PREFILL, KEY)
     try:
         assert sender.send(receiver.address, PrefillStarted("first"))
-        socket = sender._peers[receiver.address]
+        socket = sender._sender._peers[receiver.address]
         body = KVFailed("victim", "forged").encode()
         good = sign_frame(KEY, body)
         tampered = good[:-1] + bytes([good[-1] ^ 1])
