@@ -101,12 +101,16 @@ class DecodeRole:
         pending = self._pending.get(request_id)
         if pending is None:
             return updates
-        if isinstance(message, (PrefillStarted, KVTransferring)):
-            if not pending.answered:  # a report can overtake the answer (another socket)
-                # The prefill instance holds it, or writes its KV: the clock restarts.
+        if isinstance(message, KVTransferring) and not pending.answered:
+            # Its KV is being written (also into blocks held after a failure): the clock
+            # restarts.
+            pending.sent_at = pending.transferring_at = time.monotonic()
+        elif isinstance(message, PrefillStarted):
+            # Held there: the clock of a request still waiting restarts (a report can
+            # overtake the answer, and one for a request that ended here changes nothing).
+            if not pending.answered and request_id in self.core.scheduler.receiving:
                 pending.sent_at = time.monotonic()
-                if isinstance(message, KVTransferring):
-                    pending.transferring_at = pending.sent_at
+        if isinstance(message, (PrefillStarted, KVTransferring)):
             return updates
         pending.answered = True
         if isinstance(message, KVReady):

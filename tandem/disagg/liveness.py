@@ -8,7 +8,8 @@ steps can cover that: neither reports sent from it nor even receiving the tasks 
 meanwhile. So a background thread owns the control channel's inbox: it receives every
 message (the engine loop takes them from a queue when it comes round), and tells each decode
 instance, on receipt and then every quarter of its timeout, that its request is held here
-(``PrefillStarted``), until the engine loop releases it with its answer. The thread runs
+(``PrefillStarted``), until the engine loop releases it with its answer (or a
+``PrefillCancel`` comes: the decode side no longer waits for it). The thread runs
 while the loop is in a forward (torch releases the GIL in its kernels) and sends through
 ZeroMQ sockets of its own (a socket is never shared between threads), signed like every
 control frame.
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from tandem.disagg.control import ControlChannel, ControlSender
-from tandem.messages import Message, PrefillStarted, PrefillTask
+from tandem.messages import Message, PrefillCancel, PrefillStarted, PrefillTask
 
 logger = logging.getLogger("tandem.disagg")
 
@@ -135,6 +136,8 @@ class PrefillInbox:
         for message in self._channel.receive(round(wait_s * 1000)):
             if isinstance(message, PrefillTask):
                 self.hold(message.request_id, message.reply_to, message.timeout_s)
+            elif isinstance(message, PrefillCancel):  # the decode side gave up on it
+                self.release(message.request_id)
             self._messages.put(message)
             self.num_received += 1
         with self._lock:

@@ -13,7 +13,7 @@ import torch
 from tandem.disagg.control import ControlChannel
 from tandem.disagg.liveness import STALLED_AFTER_TIMEOUTS, PrefillInbox
 from tandem.disagg.trust import derive_key
-from tandem.messages import TO_DECODE, TO_PREFILL, PrefillStarted, PrefillTask
+from tandem.messages import TO_DECODE, TO_PREFILL, PrefillCancel, PrefillStarted, PrefillTask
 from tandem.sampling_params import SamplingParams
 from tests.unit.test_pd_role_faults import FakeChannel
 
@@ -74,3 +74,23 @@ def test_an_engine_loop_silent_for_many_timeouts_is_no_longer_reported():
     finally:
         inbox.close()
     assert not inbox.alive and channel.reporter.closed
+
+
+def test_a_cancelled_request_is_no_longer_reported():
+    """The decode side gave up on it: the reports stop at once (its clock for the held
+    blocks runs out), even before the engine loop comes round to the cancel."""
+    channel = FakeChannel()
+    inbox = PrefillInbox(channel, channel.reporter)
+    sent = channel.reporter.sent
+    try:
+        channel.inbox = [PrefillTask("r", [1, 2], SamplingParams(), reply_to="d", timeout_s=0.2)]
+        time.sleep(0.2)
+        assert len(sent) >= 2
+        channel.inbox = [PrefillCancel("r")]
+        time.sleep(0.1)
+        cancelled_at = len(sent)
+        time.sleep(0.3)
+        assert len(sent) == cancelled_at
+        assert [type(m) for m in inbox.take(0)] == [PrefillTask, PrefillCancel]
+    finally:
+        inbox.close()
