@@ -16,6 +16,12 @@ STARTUP_FAILED_EXIT_CODE = 3  # as uvicorn.run's
 DEAD_ENGINE_LINGER_S = 2.0
 SHUTDOWN_GRACE_S = 10.0
 
+DISAGG_SECRET_HELP = (
+    "PD: the deployment's shared secret, the same on every instance and the router (16+ "
+    "characters; default: $TANDEM_DISAGG_SECRET): it signs control messages and the prefill "
+    "URLs the router names"
+)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that starts an engine."""
@@ -137,12 +143,16 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.config import DisaggConfig
+    from tandem.disagg.trust import require_secret, resolve_secret
     from tandem.models.loader import DEFAULT_SERVED_NAME, resolve_model
     from tandem.models.tensor_parallel import check_rank_devices
     from tandem.server.app import build_app
     from tandem.server.engine_client import AsyncEngineClient
 
     check_rank_devices(args.device, args.tensor_parallel_size)  # before any process starts
+    secret = resolve_secret(args.disagg_secret)
+    if args.role != "mixed":
+        require_secret(secret, f"--role {args.role}")
     config = replace(
         engine_config(args),
         disagg=DisaggConfig(
@@ -151,6 +161,7 @@ def _serve(args: argparse.Namespace) -> int:
             control_host=args.disagg_host,
             control_port=args.disagg_port,
             transfer_timeout_s=args.transfer_timeout_s,
+            secret=secret,
         ),
     )
     name = args.served_model_name
@@ -170,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_pending_requests=args.max_pending_requests,
         metrics_without_key=args.metrics_without_key,
         max_request_body_bytes=args.max_request_body_bytes,
+        disagg_secret=secret,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -205,8 +217,10 @@ def _exit_soon(server, why: str) -> None:
 
 
 def _router(args: argparse.Namespace) -> int:
+    from tandem.disagg.trust import require_secret, resolve_secret
     from tandem.server.router import run_router
 
+    secret = require_secret(resolve_secret(args.disagg_secret), "tandem router")
     run_router(
         args.prefill,
         args.decode,
@@ -216,6 +230,7 @@ def _router(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval_s,
         request_timeout_s=args.request_timeout_s,
         max_request_body_bytes=args.max_request_body_bytes,
+        disagg_secret=secret,
     )
     return 0
 
@@ -283,13 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-step-timeout-s",
         type=float,
         default=600.0,
-        help="... or when one engine step ran this long (0: no bound)",
+        help="... or one step this long (0: none)",
     )
     serve.add_argument(
-        "--max-pending-requests",
-        type=int,
-        default=1024,
-        help="answer 503 beyond this many requests in the server",
+        "--max-pending-requests", type=int, default=1024, help="503 beyond this many requests"
     )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
@@ -308,11 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--disagg-host",
         default="127.0.0.1",
-        help="address peers reach this instance's control channel and KV on",
+        help="address peers reach this instance's control channel and KV on (the control "
+        "channel listens only there; Mooncake 0.3's ports and the NCCL connector's store "
+        "listen on every interface: see docs/architecture.md, PD trust)",
     )
     serve.add_argument(
         "--disagg-port", type=int, default=0, help="control channel port (default: a free one)"
     )
+    serve.add_argument("--disagg-secret", default=None, help=DISAGG_SECRET_HELP)
     serve.add_argument(
         "--transfer-timeout-s",
         type=float,
@@ -346,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse (413) a larger request body without reading it",
     )
     router.add_argument("--log-level", default="info")
+    router.add_argument("--disagg-secret", default=None, help=DISAGG_SECRET_HELP)
     router.set_defaults(handler=_router)
 
     train = commands.add_parser("train-mtp", help="distill an MTP head for a base model")

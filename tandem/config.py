@@ -94,6 +94,7 @@ class DisaggConfig:
     # A decode instance ends a request with an error when its prompt's KV has not arrived
     # this long after it asked; a prefill instance starts no transfer later than that.
     transfer_timeout_s: float = 30.0
+    secret: str | None = field(default=None, repr=False)  # never in a log line
 
     ROLES = ("mixed", "prefill", "decode")
     CONNECTORS = ("mooncake", "nccl", "cuda_ipc")

@@ -3,33 +3,36 @@
 Three channels use them: the API process and the engine core (requests in, step updates
 out), a tensor-parallel leader and its followers (each loop turn's requests), and the PD
 control channel between a decode and a prefill instance. On the wire a message is one
-msgpack frame ``[type, {field: value}]``; :func:`decode` checks the type against what the
-receiver expects, every field's presence and basic type, and raises :class:`MessageError`
-(naming the field) for anything else, so a malformed frame never reaches the engine.
+msgpack frame ``[type, {field: value}]`` (``tandem.wire``: its encoding, and the checks of
+types and ranges that refuse a malformed frame with a :class:`MessageError` naming the field).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-
-import msgpack
 
 from tandem.request import PromptLimits, TokenLogprobs
 from tandem.sampling_params import SamplingParams
 from tandem.step import RequestUpdate
-
-
-class MessageError(ValueError):
-    """A frame that is not a well-formed message of an expected type."""
-
-
-def _codec(encode, decode, **options):
-    """A field whose value is converted by ``encode`` for the wire and ``decode`` back."""
-    return field(metadata={"codec": (encode, decode)}, **options)
+from tandem.wire import (
+    MAX_BLOCK_ID,
+    MAX_DRAFTS,
+    MAX_ERROR_CHARS,
+    MAX_ID_CHARS,
+    MAX_SEED,
+    MAX_TOKEN_ID,
+    Message,
+    MessageError,
+    bounded_text,
+    codec_field,
+    decode,  # noqa: F401 (re-exported: receivers decode with the messages they expect)
+    from_wire,
+    ids_in_range,
+    logprobs_in_range,
+)
 
 
 def _logprobs_to_wire(entries: list[TokenLogprobs]) -> list:
@@ -73,28 +76,6 @@ def _update_from_wire(data: list) -> RequestUpdate:
     )
 
 
-@dataclass(frozen=True)
-class Message:
-    """A message of one of the channels; ``TYPE`` names it on the wire."""
-
-    TYPE: ClassVar[str] = ""
-
-    def to_wire(self) -> list:
-        """``[type, {field: value}]`` of plain data."""
-        values = {}
-        for spec in dataclasses.fields(self):
-            value = getattr(self, spec.name)
-            codec = spec.metadata.get("codec")
-            values[spec.name] = (
-                codec[0](value) if codec is not None and value is not None else value
-            )
-        return [self.TYPE, values]
-
-    def encode(self) -> bytes:
-        """The message as one msgpack frame."""
-        return msgpack.packb(self.to_wire(), use_bin_type=True)
-
-
 # ---- API process <-> engine core ---------------------------------------------------------
 
 
@@ -126,7 +107,7 @@ class AddRequest(Message):
     TYPE: ClassVar[str] = "add"
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams = _codec(SamplingParams.to_dict, SamplingParams.from_dict)
+    params: SamplingParams = codec_field(SamplingParams.to_dict, SamplingParams.from_dict)
     remote_prefill: str | None = None
 
 
@@ -153,7 +134,7 @@ class Shutdown(Message):
 @dataclass(frozen=True)
 class EngineReady(Message):
     TYPE: ClassVar[str] = "ready"
-    info: EngineInfo = _codec(dataclasses.asdict, lambda data: EngineInfo(**data))
+    info: EngineInfo = codec_field(dataclasses.asdict, lambda data: EngineInfo(**data))
 
 
 @dataclass(frozen=True)
@@ -169,7 +150,7 @@ class StepUpdates(Message):
     """One step's request updates and the engine's counters after it."""
 
     TYPE: ClassVar[str] = "updates"
-    updates: list[RequestUpdate] = _codec(
+    updates: list[RequestUpdate] = codec_field(
         lambda updates: [_update_to_wire(u) for u in updates],
         lambda data: [_update_from_wire(u) for u in data],
     )
@@ -205,7 +186,7 @@ class Turn(Message):
     """The client messages a leader took in one loop turn, for every follower to handle."""
 
     TYPE: ClassVar[str] = "turn"
-    messages: list[Message] = _codec(
+    messages: list[Message] = codec_field(
         lambda messages: [m.to_wire() for m in messages],
         lambda data: [from_wire(m, CLIENT_MESSAGES) for m in data],
     )
@@ -226,6 +207,25 @@ class Handoff:
     draft_probs_shape: list[int] | None = None
     seed: int | None = None
 
+    def check(self, kind: str) -> None:
+        """MessageError for drafts, probabilities or a seed out of range."""
+        if len(self.drafts) > MAX_DRAFTS:
+            raise MessageError(f"{kind}.handoff: more than {MAX_DRAFTS} drafts")
+        ids_in_range(kind, "handoff.drafts", self.drafts, 0, MAX_TOKEN_ID)
+        if self.seed is not None:
+            ids_in_range(kind, "handoff.seed", [self.seed], 0, MAX_SEED)
+        if (self.draft_probs is None) != (self.draft_probs_shape is None):
+            raise MessageError(f"{kind}.handoff: draft_probs and its shape come together")
+        if self.draft_probs_shape is not None:
+            shape = self.draft_probs_shape
+            if not 1 <= len(shape) <= 3 or any(size < 1 for size in shape):
+                raise MessageError(f"{kind}.handoff.draft_probs_shape: {shape} is not a shape")
+            if len(self.draft_probs) != 4 * math.prod(shape):
+                raise MessageError(
+                    f"{kind}.handoff.draft_probs: {len(self.draft_probs)} bytes, not fp32 "
+                    f"of shape {shape}"
+                )
+
 
 @dataclass(frozen=True)
 class PrefillTask(Message):
@@ -235,17 +235,32 @@ class PrefillTask(Message):
     TYPE: ClassVar[str] = "prefill"
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams = _codec(SamplingParams.to_dict, SamplingParams.from_dict)
+    params: SamplingParams = codec_field(SamplingParams.to_dict, SamplingParams.from_dict)
     kv: dict[str, Any] = field(default_factory=dict)
     dst_blocks: list[int] = field(default_factory=list)
     reply_to: str = ""
     timeout_s: float = 30.0
+
+    def check(self) -> None:
+        bounded_text(self.TYPE, "request_id", self.request_id, MAX_ID_CHARS)
+        bounded_text(self.TYPE, "reply_to", self.reply_to, MAX_ID_CHARS)
+        if not self.reply_to.startswith("tcp://"):
+            raise MessageError(f"{self.TYPE}.reply_to: expected a tcp:// address")
+        if not self.prompt_token_ids:
+            raise MessageError(f"{self.TYPE}.prompt_token_ids: empty")
+        ids_in_range(self.TYPE, "prompt_token_ids", self.prompt_token_ids, 0, MAX_TOKEN_ID)
+        ids_in_range(self.TYPE, "dst_blocks", self.dst_blocks, 0, MAX_BLOCK_ID)
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise MessageError(f"{self.TYPE}.timeout_s: expected a positive finite number")
 
 
 @dataclass(frozen=True)
 class PrefillCancel(Message):
     TYPE: ClassVar[str] = "cancel"
     request_id: str
+
+    def check(self) -> None:
+        bounded_text(self.TYPE, "request_id", self.request_id, MAX_ID_CHARS)
 
 
 @dataclass(frozen=True)
@@ -255,6 +270,9 @@ class PrefillStarted(Message):
     TYPE: ClassVar[str] = "started"
     request_id: str
 
+    def check(self) -> None:
+        bounded_text(self.TYPE, "request_id", self.request_id, MAX_ID_CHARS)
+
 
 @dataclass(frozen=True)
 class KVTransferring(Message):
@@ -262,6 +280,9 @@ class KVTransferring(Message):
 
     TYPE: ClassVar[str] = "transferring"
     request_id: str
+
+    def check(self) -> None:
+        bounded_text(self.TYPE, "request_id", self.request_id, MAX_ID_CHARS)
 
 
 @dataclass(frozen=True)
@@ -271,12 +292,21 @@ class KVReady(Message):
     TYPE: ClassVar[str] = "kv_ready"
     request_id: str
     token_id: int
-    logprobs: list[TokenLogprobs] = _codec(_logprobs_to_wire, _logprobs_from_wire)
-    prompt_logprobs: list[TokenLogprobs] = _codec(_logprobs_to_wire, _logprobs_from_wire)
+    logprobs: list[TokenLogprobs] = codec_field(_logprobs_to_wire, _logprobs_from_wire)
+    prompt_logprobs: list[TokenLogprobs] = codec_field(_logprobs_to_wire, _logprobs_from_wire)
     num_cached_tokens: int = 0
-    handoff: Handoff = _codec(
+    handoff: Handoff = codec_field(
         dataclasses.asdict, lambda data: Handoff(**data), default_factory=Handoff
     )
+
+    def check(self) -> None:
+        bounded_text(self.TYPE, "request_id", self.request_id, MAX_ID_CHARS)
+        ids_in_range(self.TYPE, "token_id", [self.token_id], 0, MAX_TOKEN_ID)
+        if self.num_cached_tokens < 0:
+            raise MessageError(f"{self.TYPE}.num_cached_tokens: negative")
+        logprobs_in_range(self.TYPE, "logprobs", self.logprobs)
+        logprobs_in_range(self.TYPE, "prompt_logprobs", self.prompt_logprobs)
+        self.handoff.check(self.TYPE)
 
 
 @dataclass(frozen=True)
@@ -287,73 +317,12 @@ class KVFailed(Message):
     request_id: str
     error: str
 
+    def check(self) -> None:
+        bounded_text(self.TYPE, "request_id", self.request_id, MAX_ID_CHARS)
+        bounded_text(self.TYPE, "error", self.error, MAX_ERROR_CHARS, nonempty=False)
+
 
 TO_PREFILL = (PrefillTask, PrefillCancel)
 TO_DECODE = (PrefillStarted, KVTransferring, KVReady, KVFailed)
 TO_ENGINE = (*CLIENT_MESSAGES, Turn)
 TO_CLIENT = (EngineReady, EngineFailed, StepUpdates, AddRejected, Heartbeat)
-
-
-# ---- decoding -----------------------------------------------------------------------------
-
-
-def _type_ok(value, hint) -> bool:
-    """Whether ``value`` has the outer type ``hint`` names (lists' and dicts' items
-    unchecked; ints pass for floats)."""
-    origin = typing.get_origin(hint)
-    if origin is typing.Union or isinstance(hint, types.UnionType):
-        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is Any:
-        return True
-    outer = origin or hint
-    if outer is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if outer is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, outer) if isinstance(outer, type) else True
-
-
-def from_wire(data, expected: tuple[type[Message], ...]) -> Message:
-    """The message of ``[type, {field: value}]`` data, if its type is one of ``expected``
-    and its fields are well formed; MessageError otherwise."""
-    if not (isinstance(data, (list, tuple)) and len(data) == 2 and isinstance(data[1], dict)):
-        raise MessageError("a message is [type, {fields}]")
-    kind, values = data
-    cls = next((c for c in expected if c.TYPE == kind), None)
-    if cls is None:
-        names = ", ".join(c.TYPE for c in expected)
-        raise MessageError(f"unexpected message type {kind!r} (expected one of: {names})")
-    specs = {spec.name: spec for spec in dataclasses.fields(cls)}
-    unknown = sorted(str(name) for name in values if name not in specs)
-    if unknown:
-        raise MessageError(f"{kind}: unknown fields {unknown}")
-    hints = typing.get_type_hints(cls)
-    arguments = {}
-    for name, spec in specs.items():
-        if name not in values:
-            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-                raise MessageError(f"{kind}: missing field {name!r}")
-            continue
-        value = values[name]
-        codec = spec.metadata.get("codec")
-        try:
-            if codec is not None and value is not None:
-                value = codec[1](value)
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            raise MessageError(f"{kind}.{name}: {e}") from e
-        if not _type_ok(value, hints[name]):
-            raise MessageError(f"{kind}.{name}: expected {hints[name]}, got {type(value).__name__}")
-        arguments[name] = value
-    return cls(**arguments)
-
-
-def decode(frame: bytes, expected: tuple[type[Message], ...]) -> Message:
-    """The message in one msgpack frame (see :func:`from_wire`)."""
-    try:
-        data = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        # TypeError: a map whose key is a list or a map (unhashable).
-        raise MessageError(f"not a msgpack frame: {e}") from e
-    return from_wire(data, expected)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import time
 from dataclasses import replace
 
@@ -147,6 +148,8 @@ async def _bench(args) -> dict:
     await mixed.shutdown()
     print(f"mixed: {json.dumps(result['mixed'])}", flush=True)
 
+    secret = secrets.token_hex(16)  # the pair's shared secret (control messages are signed)
+
     def role(name: str, device: str):
         return replace(
             on(device),
@@ -154,6 +157,7 @@ async def _bench(args) -> dict:
                 role=name,
                 kv_connector=args.kv_connector,
                 transfer_timeout_s=args.transfer_timeout_s,
+                secret=secret,
             ),
         )
 

@@ -9,8 +9,9 @@ request here and free its blocks), and its next step verifies the handed-over dr
 
 Failures end the request with an error, never a hang: ``kv_failed``, a request that could
 not be sent, or no word within ``transfer_timeout_s`` (counted from the request, and again
-from the prefill instance's ``started`` and ``transferring``: a busy prefill instance's queue
-is not a dead one, and the write itself must end in time). The blocks of a request that
+from each of the prefill instance's ``started`` and ``transferring``: it reports the request
+every quarter of the timeout from a thread of its own until it answers, so the timeout
+measures a silent prefill instance, never a busy one). The blocks of a request that
 ended while its KV might still be coming (an error, a timeout, a client abort) are held
 until the prefill instance answers or a second timeout has passed, so a late write can
 never land in blocks another request uses.
@@ -47,7 +48,7 @@ class _Pending:
     sent_at: float
     answered: bool = False
     cancel_sent: bool = False
-    transferring_at: float = 0.0  # when the prefill instance last reported progress
+    transferring_at: float = 0.0  # when the prefill instance last said its write began
 
 
 class DecodeRole:
@@ -100,10 +101,16 @@ class DecodeRole:
         pending = self._pending.get(request_id)
         if pending is None:
             return updates
+        if isinstance(message, KVTransferring) and not pending.answered:
+            # Its KV is being written (also into blocks held after a failure): the clock
+            # restarts.
+            pending.sent_at = pending.transferring_at = time.monotonic()
+        elif isinstance(message, PrefillStarted):
+            # Held there: the clock of a request still waiting restarts (a report can
+            # overtake the answer, and one for a request that ended here changes nothing).
+            if not pending.answered and request_id in self.core.scheduler.receiving:
+                pending.sent_at = time.monotonic()
         if isinstance(message, (PrefillStarted, KVTransferring)):
-            # The prefill instance runs it, then writes its KV: the clock restarts.
-            pending.sent_at = time.monotonic()
-            pending.transferring_at = pending.sent_at
             return updates
         pending.answered = True
         if isinstance(message, KVReady):
@@ -154,6 +161,7 @@ class DecodeRole:
             )
             if not sent:
                 self._pending[request_id].answered = True  # nothing can come
+                self.channel.forget(request.remote_prefill)
                 updates += self._fail(
                     request_id, f"could not reach prefill instance {request.remote_prefill}"
                 )
@@ -164,6 +172,7 @@ class DecodeRole:
         request = scheduler.receiving.get(request_id)
         if request is None:
             return []  # it ended meanwhile; its held blocks are released by _expire
+        _check_vocabulary(ready, self.core.arch.vocab_size)
         insert_handoff(
             self.core.pipeline,
             request_id,
@@ -189,6 +198,9 @@ class DecodeRole:
         for request_id, pending in list(self._pending.items()):
             if request_id in scheduler.receiving:
                 if now - pending.sent_at > self.timeout_s:
+                    # What is still queued for a silent peer must never reach it late (a
+                    # restarted instance on the same port would run stale tasks).
+                    self.channel.forget(pending.prefill)
                     updates += self._fail(
                         request_id,
                         "no KV from prefill instance "
@@ -220,3 +232,14 @@ class DecodeRole:
         return [
             RequestUpdate(request_id, [], [], [], RequestStatus.FINISHED_ERROR.value, error=error)
         ]
+
+
+def _check_vocabulary(ready: KVReady, vocab_size: int) -> None:
+    """ValueError if a token id that the prefill instance sent is not in the vocabulary."""
+    ids = [ready.token_id, *ready.handoff.drafts]
+    for entries in (ready.logprobs, ready.prompt_logprobs):
+        for token, _, _, top in entries:
+            ids += [token, *(top_token for top_token, _ in top)]
+    bad = next((token for token in ids if token >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab_size})")

@@ -2,16 +2,18 @@
 
 A decode instance sends a ``PrefillTask`` (``tandem.messages``). The request runs here like
 any other but stops after its first token (which is sampled, with its logprobs, and drafted
-from by the MTP head with the request's own sampling parameters) and keeps its blocks. When
-it starts running here the decode instance hears ``PrefillStarted``; when the token is done,
-this side tells it ``KVTransferring`` (its timeout starts again from there) and, in a
-background thread, the connector writes the prompt's KV blocks (target and MTP layers) into
-the decode instance's ``dst_blocks``; only after the write has completed the decode instance
-gets ``KVReady`` with the first token, its logprobs, the prompt logprobs, the drafts and the
-key seed of its random numbers; or ``KVFailed`` with the reason. Either way the blocks are freed
-here. A ``PrefillCancel`` that comes before the write starts ends the request here; one that
-comes later lets the write finish (the decode instance holds those blocks until it hears
-back, or for a second timeout).
+from by the MTP head with the request's own sampling parameters) and keeps its blocks. From
+receipt until its answer is sent the decode instance hears ``PrefillStarted`` every quarter
+of its timeout, from a thread that also receives the tasks (``tandem.disagg.liveness``: a
+step can last longer than the timeout, and a busy instance is not a dead one); when the token is
+done, this side tells it ``KVTransferring`` and, in a background thread, the connector
+writes the prompt's KV blocks (target and MTP layers) into the decode instance's
+``dst_blocks``; only after the write has completed the decode instance gets ``KVReady`` with
+the first token, its logprobs, the prompt logprobs, the drafts and the key seed of its
+random numbers; or ``KVFailed`` with the reason. Either way the blocks are freed here. A
+``PrefillCancel`` that comes before the write starts ends the request here; one that comes
+later lets the write finish (the decode instance holds those blocks until it hears back, or
+for a second timeout).
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from dataclasses import dataclass, field, replace
 from tandem.disagg.control import ControlChannel
 from tandem.disagg.handoff import export_handoff
 from tandem.disagg.kv_connector import KVConnector, KVTransferError, check_compatible
+from tandem.disagg.liveness import PrefillInbox
 from tandem.messages import (
     Handoff,
     KVFailed,
     KVReady,
     KVTransferring,
     PrefillCancel,
-    PrefillStarted,
     PrefillTask,
 )
-from tandem.request import Request, RequestStatus
+from tandem.request import Request
 from tandem.step import RequestUpdate
 
 logger = logging.getLogger("tandem.disagg")
@@ -55,7 +57,7 @@ class _Job:
     handoff: Handoff | None = None
     num_bytes: int = 0  # KV bytes written (all layers, keys and values)
     future: Future | None = None
-    started: bool = False  # the decode instance was told the request runs here
+    writing: bool = False  # the decode instance heard that its KV write has begun
     cancelled: bool = False
     error: str | None = None  # why the request failed here (a fault while it ran)
 
@@ -75,6 +77,8 @@ class PrefillRole:
             "pd_failures": 0,
         }
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-kv-write")
+        # Receives tasks and reports the held requests while the engine loop is in a step.
+        self._inbox = PrefillInbox(channel, channel.open_sender())
 
     @property
     def busy(self) -> bool:
@@ -84,7 +88,7 @@ class PrefillRole:
     def poll(self, wait: bool) -> list[RequestUpdate]:
         """Take new prefill requests and cancels; report finished transfers."""
         # Idle: wait for work (briefly while transfers run, to see them end soon).
-        for message in self.channel.receive((1 if self._jobs else 10) if wait else 0):
+        for message in self._inbox.take(((1 if self._jobs else 10) if wait else 0) / 1000):
             try:
                 if isinstance(message, PrefillTask):
                     self._start(message)
@@ -96,20 +100,18 @@ class PrefillRole:
                     self.core.abort_request(message.request_id)  # if it got in
                     self.core.scheduler.release_held(message.request_id)
                     self._reply_failed(message.reply_to, message.request_id, f"bad task: {error}")
-        self._report_started()
+        self._report_writing()
         self._reap()
         return []
 
-    def _report_started(self) -> None:
-        """Tell decode instances which of their requests began running here (their
-        timeout restarts: a busy prefill instance's queue is not a dead one)."""
+    def _report_writing(self) -> None:
+        """Tell decode instances whose KV write a writer thread has begun (their timeout
+        restarts from the write itself, not from its place in the queue)."""
         for job in self._jobs.values():
-            if job.started:
-                continue
-            request = self.core.scheduler.requests.get(job.request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                job.started = True
-                self.channel.send(job.reply_to, PrefillStarted(job.request_id))
+            if job.future is not None and not job.writing and not job.cancelled:
+                if job.future.running() or job.future.done():
+                    job.writing = True
+                    self.channel.send(job.reply_to, KVTransferring(job.request_id))
 
     def after_step(self, updates: list[RequestUpdate]) -> list[RequestUpdate]:
         """Keep the updates of requests run for decode instances (they are not this
@@ -134,8 +136,9 @@ class PrefillRole:
         return self.channel.address
 
     def close(self) -> None:
-        """Stop the transfer threads (waiting for the ones running), then close the
-        connector and the channel."""
+        """Stop the inbox thread and the transfer threads (waiting for the ones
+        running), then close the connector and the channel."""
+        self._inbox.close()
         self._pool.shutdown(wait=True)
         self.connector.close()
         self.channel.close()
@@ -175,6 +178,8 @@ class PrefillRole:
             self._reply_failed(job.reply_to, job.request_id, str(e))
             self._drop(job)
             return
+        # The decode side hears that the first token is done, and again when the write
+        # leaves the queue (``_report_writing``); the liveness reports go on until the answer.
         self.channel.send(job.reply_to, KVTransferring(job.request_id))
         layout = self.connector.descriptor()
         job.num_bytes = 2 * layout["num_layers"] * layout["block_bytes"] * len(src_blocks)
@@ -222,6 +227,7 @@ class PrefillRole:
             self._drop(job)
 
     def _drop(self, job: _Job) -> None:
+        self._inbox.release(job.request_id)
         self._jobs.pop(job.request_id, None)
         self.core.scheduler.release_held(job.request_id)
 
@@ -229,3 +235,4 @@ class PrefillRole:
         self.counters["pd_failures"] += 1
         logger.warning("prefill for %s failed: %s", request_id, error)
         self.channel.send(reply_to, KVFailed(request_id, error))
+        self._inbox.release(request_id)

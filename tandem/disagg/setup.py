@@ -10,6 +10,7 @@ from tandem.disagg.control import ControlChannel
 from tandem.disagg.decode_role import DecodeRole
 from tandem.disagg.kv_connector import KVConnector, LocalKVConnector
 from tandem.disagg.prefill_role import PrefillRole
+from tandem.disagg.trust import derive_key, require_secret
 from tandem.messages import TO_DECODE, TO_PREFILL
 
 logger = logging.getLogger("tandem.disagg")
@@ -59,15 +60,18 @@ def _configured_connector(config) -> KVConnector:
 def start_pd_role(core, connector: KVConnector | None = None) -> PrefillRole | DecodeRole:
     """Give ``core`` (an EngineCore whose config's role is prefill or decode) its PD role:
     ``connector`` (tests pass an in-process one) or the configured one registers the core's
-    KV caches (target and MTP layers), and a control channel opens. Returns the role."""
+    KV caches (target and MTP layers), and a control channel opens, signed with a key derived
+    from the config's secret (TrustError without one). Returns the role."""
     disagg = core.config.disagg
     if disagg.role not in ("prefill", "decode"):
         raise ValueError(f"role {disagg.role!r} has no PD side; expected 'prefill' or 'decode'")
+    require_secret(disagg.secret, f"a {disagg.role} instance")  # before anything listens
     if connector is None:
         connector = _configured_connector(core.config)
     connector.register(core.runner.kv_caches_with_mtp())
+    key = derive_key(require_secret(disagg.secret, f"a {disagg.role} instance"), "control")
     accepts = TO_PREFILL if disagg.role == "prefill" else TO_DECODE
-    channel = ControlChannel(disagg.control_host, disagg.control_port, accepts)
+    channel = ControlChannel(disagg.control_host, disagg.control_port, accepts, key)
     logger.info(
         "%s instance: control channel %s, KV connector %s",
         disagg.role,

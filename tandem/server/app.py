@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.disagg.trust import PREFILL_SIGNATURE_HEADER, prefill_url_signed
 from tandem.sampling_params import ParamError, check_text
 from tandem.server.engine_client import (
     AsyncEngineClient,
@@ -28,8 +30,10 @@ from tandem.server.protocol import (
 )
 
 DISCONNECT_POLL_S = 0.2
-# PD: how long asking a prefill instance for its control address may take.
+# PD: how long asking a prefill instance for its control address may take, and how long
+# an answer is used before it is asked again.
 PREFILL_INFO_TIMEOUT_S = 5.0
+PREFILL_INFO_TTL_S = 2.0
 
 
 async def _respond(run: RequestRun, request: Request) -> Response:
@@ -60,13 +64,53 @@ async def _respond(run: RequestRun, request: Request) -> Response:
 
 class PrefillAddresses:
     """PD, decode instances: the control address of each prefill instance named by URL,
-    asked from its ``/v1/disagg/info`` once (with this instance's API key, if it has one:
-    the route needs the key)."""
+    asked from its ``/v1/disagg/info`` (with this server's API key, which prefill and decode
+    instances share).
 
-    def __init__(self, client: AsyncEngineClient, api_key: str | None = None):
+    Only the router may name a prefill instance: a URL counts only with the router's
+    signature of it (``tandem.disagg.trust``), so a client cannot make this server call an
+    address of its choosing. An address is asked again once it is ``ttl_s`` old, or after a
+    request to it failed, so a restarted or moved prefill instance is used again (a restart
+    takes longer than ``ttl_s``, so the first request after it already asks afresh)."""
+
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        secret: str | None,
+        api_key: str | None = None,
+        ttl_s: float = PREFILL_INFO_TTL_S,
+    ):
         self.client = client
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._addresses: dict[str, str] = {}
+        self.secret = secret
+        self.api_key = api_key
+        self.ttl_s = ttl_s
+        # url -> (when asked, the answer): one question in flight per URL, shared.
+        self._addresses: dict[str, tuple[float, asyncio.Future]] = {}
+
+    def named_url(self, request: Request) -> str | None:
+        """The prefill URL that ``request`` names, if any; ApiError 403 unless the router
+        signed it."""
+        url = request.headers.get(PREFILL_URL_HEADER)
+        if url and not prefill_url_signed(
+            self.secret, url, request.headers.get(PREFILL_SIGNATURE_HEADER)
+        ):
+            raise ApiError(
+                403,
+                f"{PREFILL_URL_HEADER} is honoured only from the router: it needs a valid "
+                f"{PREFILL_SIGNATURE_HEADER} (the deployment's shared secret)",
+                "permission_error",
+                PREFILL_URL_HEADER,
+            )
+        return url or None
+
+    async def watch(self, url: str | None, response: Awaitable[Response]) -> Response:
+        """``response``; a 502 of a request through ``url`` makes its address asked afresh."""
+        try:
+            return await response
+        except ApiError as e:
+            if url and e.status == 502:
+                self.forget(url)
+            raise
 
     async def resolve(self, url: str) -> str:
         """The control address of the prefill instance at ``url`` (ApiError if none)."""
@@ -76,25 +120,36 @@ class PrefillAddresses:
                 400,
                 f"{PREFILL_URL_HEADER} given, but this instance's role is {role!r}, not 'decode'",
             )
-        if url not in self._addresses:
-            self._addresses[url] = await self._ask(url)
-        return self._addresses[url]
+        now = time.monotonic()
+        entry = self._addresses.get(url)
+        failed = entry is not None and entry[1].done() and entry[1].exception() is not None
+        if entry is None or failed or now - entry[0] > self.ttl_s:
+            entry = (now, asyncio.ensure_future(self._ask(url)))
+            self._addresses[url] = entry
+        return await asyncio.shield(entry[1])
+
+    def forget(self, url: str) -> None:
+        """A request through ``url`` failed: ask its address afresh next time."""
+        self._addresses.pop(url, None)
 
     async def _ask(self, url: str) -> str:
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
             async with httpx.AsyncClient(timeout=PREFILL_INFO_TIMEOUT_S) as http:
-                reply = await http.get(url.rstrip("/") + "/v1/disagg/info", headers=self._headers)
+                reply = await http.get(url.rstrip("/") + "/v1/disagg/info", headers=headers)
                 reply.raise_for_status()
                 info = reply.json()
         except (httpx.HTTPError, ValueError) as e:
             raise ApiError(
                 502, f"prefill instance {url} did not answer: {e}", "server_error"
             ) from e
-        if info.get("role") != "prefill" or not info.get("control_address"):
-            raise ApiError(
-                502, f"{url} is not a prefill instance (role {info.get('role')!r})", "server_error"
-            )
-        return info["control_address"]
+        if not isinstance(info, dict) or info.get("role") != "prefill":
+            role = info.get("role") if isinstance(info, dict) else None
+            raise ApiError(502, f"{url} is not a prefill instance (role {role!r})", "server_error")
+        address = info.get("control_address")
+        if not (isinstance(address, str) and address.startswith("tcp://")):
+            raise ApiError(502, f"{url} gave no control address", "server_error")
+        return address
 
 
 def _check_admission(
@@ -139,13 +194,15 @@ def build_app(
     *,
     metrics_without_key: bool = False,
     max_request_body_bytes: int | None = None,
+    disagg_secret: str | None = None,
 ) -> FastAPI:
     """An app serving ``client``; the caller starts and stops the client (see ``lifespan``).
 
     With ``api_key``, every route but ``/health`` (and ``/metrics`` with
     ``metrics_without_key``) needs it, the docs and ``/v1/disagg/info`` included. A body
     over ``max_request_body_bytes`` (default: ``default_max_body_bytes`` of the engine's
-    max_model_len) is refused with a 413 before it is read."""
+    max_model_len) is refused with a 413 before it is read. ``disagg_secret`` (decode
+    instances): the router's signature of a prefill URL is checked with it."""
 
     body_limit = _body_limit(client, max_request_body_bytes)
 
@@ -162,9 +219,10 @@ def build_app(
     install_error_handlers(app)
     open_paths = frozenset({"/health", "/metrics"} if metrics_without_key else {"/health"})
     install_guards(app, body_limit, api_key, open_paths)
-    prefill_addresses = PrefillAddresses(client, api_key)
+    prefill_addresses = PrefillAddresses(client, disagg_secret, api_key)
 
     async def run(prepare, body, request: Request):
+        prefill_url = prefill_addresses.named_url(request)
         try:
             _check_strings(body)
             _check_admission(client, body.model, served_model_name, max_pending_requests)
@@ -174,10 +232,10 @@ def build_app(
             raise ApiError(400, str(e), param=e.param) from e
         except ValueError as e:  # the tokenizer's (a chat template's) own
             raise ApiError(400, str(e)) from e
-        prefill_url = request.headers.get(PREFILL_URL_HEADER)
         if prefill_url:
             prepared.remote_prefill = await prefill_addresses.resolve(prefill_url)
-        return await _respond(RequestRun(prepared, client, metrics, served_model_name), request)
+        request_run = RequestRun(prepared, client, metrics, served_model_name)
+        return await prefill_addresses.watch(prefill_url, _respond(request_run, request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -2,9 +2,9 @@
 
 For each request the router picks one healthy prefill and one healthy decode instance
 (round-robin per role) and forwards the client's body unchanged to the decode instance,
-naming the prefill in the ``x-tandem-prefill-url`` header: the decode instance asks that
-prefill to run the prompt and hand over the KV cache. Responses are relayed as they arrive.
-Errors, the router's own and FastAPI's, are in OpenAI's schema (``tandem.server.errors``).
+naming the prefill in a header the router signs (``tandem.disagg.trust``): the decode
+instance asks it to run the prompt and hand over the KV cache. Responses are relayed as they
+arrive; errors (the router's own and FastAPI's) are in OpenAI's schema.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tandem.disagg.trust import PREFILL_SIGNATURE_HEADER, sign_prefill_url
 from tandem.server.errors import ApiError, install_error_handlers
 from tandem.server.guards import install_guards
 from tandem.server.protocol import PREFILL_URL_HEADER, error_body
@@ -33,8 +34,7 @@ DISCONNECT_POLL_S = 0.2
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 READ_ERRORS = (httpx.HTTPError, httpx.StreamError)
 DONE_EVENT = b"data: [DONE]"
-# The router reads a whole body before it forwards it: it refuses one past this (each
-# instance refuses what is too long for its model).
+# The router reads a whole body before it forwards it: it refuses one past this.
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 logger = logging.getLogger(__name__)
@@ -277,6 +277,12 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Respon
                 await task
 
 
+def _prefill_headers(url: str, secret: str | None) -> dict[str, str]:
+    """The headers naming the prefill instance, signed when a secret is set."""
+    signed = {PREFILL_SIGNATURE_HEADER: sign_prefill_url(secret, url)} if secret else {}
+    return {PREFILL_URL_HEADER: url, **signed}
+
+
 def build_router_app(
     prefill_urls: list[str],
     decode_urls: list[str],
@@ -285,11 +291,13 @@ def build_router_app(
     request_timeout_s: float = 600.0,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     transport: httpx.AsyncBaseTransport | None = None,
+    disagg_secret: str | None = None,
 ) -> FastAPI:
     """A router app over the given instances; its state is ``app.state.router`` (RouterState).
 
     A body over ``max_request_body_bytes`` is refused (413) before it is read.
-    ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
+    ``disagg_secret`` signs the prefill URL it names (decode instances refuse an unsigned
+    one); ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
     """
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
@@ -343,7 +351,7 @@ def build_router_app(
         prefill = state.pick_or_503("prefill")
         headers = {
             "content-type": "application/json",
-            PREFILL_URL_HEADER: prefill.url,
+            **_prefill_headers(prefill.url, disagg_secret),
             **auth_headers(request),
         }
         stream = body.get("stream") is True

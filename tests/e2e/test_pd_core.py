@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow  # a prefill/decode pair and a mixed engine core, 
 MAX_TOKENS = 16
 NUM_BLOCKS = 256
 LOGPROB_TOLERANCE = 1e-4
+SECRET = "test-pd-core-shared-secret"
 
 
 def _config(role: str, mtp: bool, timeout_s: float = 30.0) -> EngineConfig:
@@ -35,7 +36,7 @@ def _config(role: str, mtp: bool, timeout_s: float = 30.0) -> EngineConfig:
     return EngineConfig(
         cache=CacheConfig(num_blocks=NUM_BLOCKS),
         speculative=spec,
-        disagg=DisaggConfig(role=role, transfer_timeout_s=timeout_s),
+        disagg=DisaggConfig(role=role, transfer_timeout_s=timeout_s, secret=SECRET),
     )
 
 
@@ -200,11 +201,13 @@ def test_first_token_ends_the_request_on_the_decode_side(cores, prompts, tokeniz
 
 
 def test_invariant_no_hang_silent_prefill_instance_times_out_with_an_error(
-    cores, prompts, tokenizer
+    cores, prompts, tokenizer, monkeypatch
 ):
-    """A prefill instance that never answers (never stepped here): the request ends with an
-    error after the decode side's timeout (2 s here), and its blocks come back after a
-    second timeout, when no late write can arrive."""
+    """A prefill instance that never answers (never stepped here, and its engine loop taken
+    as stuck at once, so its inbox thread does not report the request): the request ends
+    with an error after the decode side's timeout (2 s here), and its blocks come back after
+    a second timeout, when no late write can arrive."""
+    monkeypatch.setattr("tandem.disagg.liveness.STALLED_AFTER_TIMEOUTS", 0)
     _, prefill, decode = cores
     decode.pd.timeout_s = 2.0
     start = time.monotonic()

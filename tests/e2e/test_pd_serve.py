@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from tandem.bench.datasets import load_mtbench
+from tandem.disagg.trust import PREFILL_SIGNATURE_HEADER, SECRET_ENV, sign_prefill_url
 from tandem.engine_process import free_port
 from tandem.server.protocol import PREFILL_URL_HEADER
 
@@ -37,6 +38,7 @@ MAX_TOKENS = 16
 TRANSFER_TIMEOUT_S = 6.0
 LOGPROB_TOLERANCE = 1e-4
 ENGINE_ARGS = ["--kv-cache-memory-gb", "0.25", "--log-level", "warning"]
+SECRET = "test-pd-serve-shared-secret"
 
 
 class Fleet:
@@ -46,9 +48,12 @@ class Fleet:
         self.logs = tempfile.TemporaryDirectory(prefix="tandem-pd-")
         self.procs: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
+        self.args: dict[str, list[str]] = {}
 
-    def start(self, name: str, args: list[str]) -> str:
-        port = free_port()
+    def start(self, name: str, args: list[str], port: int | None = None) -> str:
+        """Start ``tandem args`` as ``name`` on ``port`` (default: a free one); its URL."""
+        port = port or free_port()
+        self.args[name] = args
         with open(os.path.join(self.logs.name, f"{name}.log"), "wb") as log:
             self.procs[name] = subprocess.Popen(
                 [
@@ -64,6 +69,7 @@ class Fleet:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, SECRET_ENV: SECRET},
             )
         self.urls[name] = f"http://127.0.0.1:{port}"
         return self.urls[name]
@@ -189,6 +195,9 @@ def complete(
         with httpx.stream(
             "POST", f"{base}/v1/completions", json=body, headers=headers, timeout=120
         ) as reply:
+            if reply.status_code != 200:  # refused or failed before the stream began
+                reply.read()
+                return {**result, "error": reply.json()["error"]["message"]}
             for line in reply.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -333,17 +342,30 @@ def test_prefill_killed_while_it_works(broken_fleet, prompts):
 
 
 def test_stalled_prefill_times_out_and_recovers(broken_fleet, prompts):
-    """Sent to the decode instance as the router sends it (the router itself would soon
-    route around the stalled instance, which its health checks find)."""
+    """Stopped (SIGSTOP) while it computes the prompt: its liveness reports stop with it, so
+    the decode instance ends the stream with an error at its timeout (counted from the last
+    report: at most a quarter of the timeout before the stop). Sent to the decode instance as
+    the router sends it (the router itself would soon route around the stalled instance)."""
     urls = broken_fleet.urls
-    header = {PREFILL_URL_HEADER: urls["prefill"]}
+    header = {
+        PREFILL_URL_HEADER: urls["prefill"],
+        PREFILL_SIGNATURE_HEADER: sign_prefill_url(SECRET, urls["prefill"]),
+    }
     assert complete(urls["decode"], prompts[1], False, headers=header)["error"] is None
+    long_prompt = [t for p in prompts for t in p] * 2  # ~3,600 tokens: seconds on the CPU
+    results: list[dict] = []
+    sender = threading.Thread(
+        target=lambda: results.append(complete(urls["decode"], long_prompt, True, headers=header))
+    )
+    sender.start()
+    time.sleep(1.0)  # the decode instance has asked; the prefill instance is at work
     broken_fleet.signal("prefill", signal.SIGSTOP)
-    start = time.monotonic()
-    result = complete(urls["decode"], prompts[1], True, headers=header)
-    elapsed = time.monotonic() - start
-    assert result["error"] is not None and "within" in result["error"]
-    assert TRANSFER_TIMEOUT_S <= elapsed < TRANSFER_TIMEOUT_S + 5
+    stopped = time.monotonic()
+    sender.join(60)
+    elapsed = time.monotonic() - stopped
+    assert results and results[0]["error"] is not None, results
+    assert "within" in results[0]["error"], results[0]["error"]
+    assert TRANSFER_TIMEOUT_S * 3 / 4 - 0.5 <= elapsed < TRANSFER_TIMEOUT_S + 5
     broken_fleet.signal("prefill", signal.SIGCONT)
     assert_no_block_held(urls["decode"], 2 * TRANSFER_TIMEOUT_S + 5)
     assert_no_block_held(urls["prefill"], 10)

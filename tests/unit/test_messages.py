@@ -10,7 +10,7 @@ import time
 import msgpack
 import pytest
 
-from tandem.disagg.control import ControlChannel
+from tandem.disagg.control import ControlChannel, sign_frame
 from tandem.messages import (
     TO_CLIENT,
     TO_DECODE,
@@ -126,13 +126,14 @@ def test_a_malformed_frame_is_refused_naming_the_problem(frame, expected, proble
 
 
 def test_the_control_channel_drops_malformed_messages_and_keeps_the_good_ones():
-    receiver = ControlChannel("127.0.0.1", 0, TO_DECODE)
-    sender = ControlChannel("127.0.0.1", 0, TO_PREFILL)
+    key = b"k" * 32
+    receiver = ControlChannel("127.0.0.1", 0, TO_DECODE, key)
+    sender = ControlChannel("127.0.0.1", 0, TO_PREFILL, key)
     try:
         assert sender.send(receiver.address, KVFailed("a", "x"))
-        socket = sender._peers[receiver.address]
-        socket.send(b"not msgpack \xc1")
-        socket.send(_frame("prefill", {"request_id": "forged"}))  # a type it does not take
+        socket = sender._sender._peers[receiver.address]
+        socket.send(sign_frame(key, b"not msgpack \xc1"))
+        socket.send(sign_frame(key, _frame("prefill", {"request_id": "forged"})))  # not taken here
         assert sender.send(receiver.address, PrefillStarted("b"))
         received, deadline = [], time.monotonic() + 5
         while len(received) < 2 and time.monotonic() < deadline:
