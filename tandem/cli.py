@@ -267,9 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         "/metrics and /v1/disagg/info included)",
     )
     serve.add_argument(
-        "--metrics-without-key",
-        action="store_true",
-        help="with --api-key, leave /metrics open (for a scraper without the key)",
+        "--metrics-without-key", action="store_true", help="with --api-key: /metrics open"
     )
     serve.add_argument(
         "--max-request-body-bytes",
@@ -303,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-pending-requests", type=int, default=1024, help="503 beyond this many requests"
     )
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", help="uvicorn's log level")
     serve.add_argument(
         "--role",
         choices=["mixed", "prefill", "decode"],
