@@ -104,14 +104,14 @@ def test_decode_rows_launch_ahead_while_prompts_keep_joining(make_llm, prompts):
     assert mixed_ahead >= 0.7 * mixed, f"{mixed_ahead} of {mixed} mixed steps ran ahead"
 
 
-@pytest.mark.parametrize("split_steps", [True, False])
-def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(make_llm, prompts, split_steps):
+def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(make_llm, prompts):
     """Models over the size bound (``split_steps`` off) launch each step as one part: ahead
-    if every row is resolvable, else after the read; the outputs stay plain decoding's."""
+    if every row is resolvable, else after the read; the outputs stay plain decoding's (the
+    parts of small models: test_decode_rows_launch_ahead_while_prompts_keep_joining)."""
     llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_num_seqs=4)
     pipeline = llm.engine.pipeline
     assert pipeline.split_steps  # SmolLM2-135M is far under the bound
-    pipeline.split_steps = split_steps
+    pipeline.split_steps = False
     step_ahead, timed_launch = pipeline.step_ahead, pipeline._timed_launch
     parts_per_step: list[int] = []
 
@@ -136,10 +136,7 @@ def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(make_llm, prom
     plain = make_llm(max_num_seqs=4).generate(many, params, use_tqdm=False)
     assert _tokens(outputs) == _tokens(plain)
     assert len(parts_per_step) >= 10
-    if split_steps:
-        assert max(parts_per_step) > 1
-    else:
-        assert max(parts_per_step) == 1
+    assert max(parts_per_step) == 1
     assert pipeline.num_launched_ahead > 0
 
 
