@@ -8,7 +8,7 @@ from __future__ import annotations
 import schemathesis
 
 MAX_OUTPUT_TOKENS = 4
-OUTPUT_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
+OUTPUT_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
 
 
 @schemathesis.check
@@ -28,11 +28,13 @@ def openai_error_body(ctx, response, case) -> None:
 
 @schemathesis.hook
 def map_body(ctx, body):
-    """Cut a generated output length above MAX_OUTPUT_TOKENS, and give one where none is."""
+    """Cut a generated output length (or a minimum one) above MAX_OUTPUT_TOKENS, and give
+    one where none is (absent or null: up to the context, seconds on a loaded CPU)."""
     if isinstance(body, dict):
         for name in OUTPUT_LENGTH_FIELDS:
             value = body.get(name)
             if type(value) is int and value > MAX_OUTPUT_TOKENS:
                 body[name] = MAX_OUTPUT_TOKENS
-        body.setdefault("max_tokens", MAX_OUTPUT_TOKENS)
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = MAX_OUTPUT_TOKENS
     return body
