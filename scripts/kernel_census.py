@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tandem import LLM, SamplingParams
 from tandem.bench.datasets import load_mtbench
-from tandem.bench.device_profile import _device_events
+from tandem.bench.device_profile import device_events
 
 K = 3
 GAP_BUCKETS_US = ((1.5, "<=1.5us"), (3.0, "1.5-3us"), (8.0, "3-8us"), (50.0, "8-50us"))
@@ -63,7 +63,7 @@ def census(llm: LLM, prompts: list[dict], tokens: int) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     steps = (llm.get_metrics()["num_steps"] - timed["num_steps"]) * 0.9
-    events = sorted(_device_events(prof), key=lambda event: event[2])
+    events = sorted(device_events(prof), key=lambda event: event[2])
     events = events[len(events) // 10 :]
     by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
     gap_counts: dict[str, float] = defaultdict(float)

@@ -92,7 +92,7 @@ def _is_device_work(device_type: Any, activity: Any, name: str, annotation: bool
     return not (isinstance(activity, str) and activity in _NOT_DEVICE_WORK)
 
 
-def _device_events(prof: Any) -> list[tuple[str, str, float, float]]:
+def device_events(prof: Any) -> list[tuple[str, str, float, float]]:
     """``(name, activity type, start_us, end_us)`` of every CUDA kernel, memcpy and memset a
     finished ``torch.profiler.profile`` recorded, times relative to the first event.
 
@@ -133,7 +133,7 @@ def device_intervals(prof: Any) -> tuple[list[tuple[float, float]], dict[str, in
     ``torch.profiler.profile`` recorded, and the count of each activity type kept."""
     counts: dict[str, int] = {}
     intervals = []
-    for _, activity, start, end in _device_events(prof):
+    for _, activity, start, end in device_events(prof):
         intervals.append((start, end))
         counts[activity] = counts.get(activity, 0) + 1
     return intervals, counts
@@ -142,7 +142,7 @@ def device_intervals(prof: Any) -> tuple[list[tuple[float, float]], dict[str, in
 def kernel_totals(prof: Any, top: int = 30) -> list[dict]:
     """The ``top`` device operations by total time: name, count and microseconds."""
     totals: dict[str, list] = {}
-    for name, _, start, end in _device_events(prof):
+    for name, _, start, end in device_events(prof):
         entry = totals.setdefault(name, [0, 0.0])
         entry[0] += 1
         entry[1] += end - start

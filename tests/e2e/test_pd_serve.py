@@ -126,38 +126,46 @@ def start_pd(fleet: Fleet, mtp: bool, mixed: bool = True) -> None:
     fleet.wait_healthy(*(["mixed"] if mixed else []), "prefill", "decode", "router")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "mtp"])
-def fleet(request):
+@contextlib.contextmanager
+def running_fleet(mtp: bool, mixed: bool = True):
+    """A started fleet (``start_pd``), stopped on the way out."""
     fleet = Fleet()
     try:
-        start_pd(fleet, mtp=request.param)
+        start_pd(fleet, mtp=mtp, mixed=mixed)
         yield fleet
     finally:
         fleet.stop()
 
 
-@pytest.fixture
-def broken_fleet():
-    """A fresh prefill, decode and router (no mixed instance) for tests that kill one."""
-    fleet = Fleet()
-    try:
-        start_pd(fleet, mtp=False, mixed=False)
-        yield fleet
-    finally:
-        fleet.stop()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    """16 MT-Bench questions in the chat template, as token ids."""
+def chat_prompt_ids(questions: list[dict]) -> list[list[int]]:
+    """The first turns of MT-Bench ``questions`` in the default model's chat template."""
     from tandem.models.loader import resolve_model
     from tandem.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(resolve_model(None))
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
-        for q in load_mtbench()[3::5][:16]
+        for q in questions
     ]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "mtp"])
+def fleet(request):
+    with running_fleet(mtp=request.param) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+def broken_fleet():
+    """A fresh prefill, decode and router (no mixed instance) for tests that kill one."""
+    with running_fleet(mtp=False, mixed=False) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """16 MT-Bench questions in the chat template, as token ids."""
+    return chat_prompt_ids(load_mtbench()[3::5][:16])
 
 
 # ---- helpers -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.test_pd_serve import Fleet, complete, start_pd
+from tests.e2e.test_pd_serve import Fleet, chat_prompt_ids, complete, running_fleet
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine (extra 'pd')")
 
@@ -32,25 +32,15 @@ MOONCAKE_WILDCARD_LISTENERS = 2  # its handshake port (0.0.0.0) and TCP data por
 
 @pytest.fixture(scope="module")
 def fleet():
-    fleet = Fleet()
-    try:
-        start_pd(fleet, mtp=False, mixed=False)
+    with running_fleet(mtp=False, mixed=False) as fleet:
         yield fleet
-    finally:
-        fleet.stop()
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     from tandem.bench.datasets import load_mtbench
-    from tandem.models.loader import resolve_model
-    from tandem.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_model_path(resolve_model(None))
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
-        for q in load_mtbench()[:CONCURRENT]
-    ]
+    return chat_prompt_ids(load_mtbench()[:CONCURRENT])
 
 
 def test_a_cold_pair_serves_its_first_30_concurrent_requests(fleet, prompts):
