@@ -55,8 +55,9 @@ class SchedulerConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding: ``mtp``, or for benchmarks only ``oracle`` (drafts replayed
-    from recorded greedy outputs, ``oracle_corruption`` of them corrupted)."""
+    """Speculative decoding: ``mtp``, ``auto`` (MTP on CUDA when the model has a head, else
+    none; made concrete when the engine loads the model), or for benchmarks only ``oracle``
+    (drafts replayed from recorded greedy outputs, ``oracle_corruption`` of them corrupted)."""
 
     method: str | None = None
     num_speculative_tokens: int = 0
@@ -64,11 +65,13 @@ class SpeculativeConfig:
     model: str | None = None
     oracle_corruption: float = 0.0
 
-    METHODS = (None, "mtp", "oracle")
+    METHODS = (None, "auto", "mtp", "oracle")
 
     def __post_init__(self) -> None:
         if self.method not in self.METHODS:
-            raise ValueError(f"speculative must be None, 'mtp' or 'oracle', got {self.method!r}")
+            raise ValueError(
+                f"speculative must be None, 'auto', 'mtp' or 'oracle', got {self.method!r}"
+            )
         if not 0.0 <= self.oracle_corruption <= 1.0:
             raise ValueError(f"oracle_corruption must be in [0, 1], got {self.oracle_corruption}")
         if self.method and not 1 <= self.num_speculative_tokens <= 8:

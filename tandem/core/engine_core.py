@@ -25,6 +25,7 @@ from tandem.config import EngineConfig
 from tandem.core.kv_cache import BlockManager
 from tandem.core.scheduler import Scheduler
 from tandem.models.loader import ModelFiles
+from tandem.models.mtp import resolve_auto_speculation
 from tandem.models.tensor_parallel import min_over_ranks
 from tandem.request import PromptLimits, Request, RequestStatus
 from tandem.step import ModelRunnerOutput, RequestUpdate, SchedulerOutput
@@ -79,8 +80,8 @@ class EngineCore:
     (``tandem.disagg.setup.start_pd_role``)."""
 
     def __init__(self, config: EngineConfig):
-        self.config = config
         files = ModelFiles(config.model)
+        self.config = config = resolve_auto_speculation(config, files)
         self.model_path = files.path
         self.arch = files.arch
         max_len = config.scheduler.max_model_len or self.arch.max_position_embeddings

@@ -19,6 +19,7 @@ Checkpoint layouts read here (names relative to the layer, after the prefix):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -229,6 +230,32 @@ def _shipped_head(files) -> str:
     raise ValueError(
         f"model {files.path!r} has no MTP layers and no shipped head: pass "
         "speculative_model=PATH (a head from `tandem train-mtp`) or 'dummy' (random weights)"
+    )
+
+
+def has_mtp_head(files, source: str | None = None) -> bool:
+    """Whether ``load_mtp_head(source, files, ...)`` finds a head: a named one always, else
+    the checkpoint's own MTP layers or the head shipped for the default model."""
+    if source is not None or _checkpoint_layout(files) is not None:
+        return True
+    try:
+        _shipped_head(files)
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_auto_speculation(config, files):
+    """``config`` with speculative method "auto" made concrete: MTP on CUDA when the model
+    has a head (``has_mtp_head``), else none. On the CPU MTP stays off by default: with no
+    CUDA graphs the host pays for every draft depth's launches and MTP is slower there."""
+    spec = config.speculative
+    if spec.method != "auto":
+        return config
+    on = config.device.startswith("cuda") and has_mtp_head(files, spec.model)
+    method, tokens = ("mtp", spec.num_speculative_tokens) if on else (None, 0)
+    return dataclasses.replace(
+        config, speculative=dataclasses.replace(spec, method=method, num_speculative_tokens=tokens)
     )
 
 
