@@ -13,6 +13,7 @@ from tandem.models.mtp import load_mtp_head
 from tandem.sampling_params import SamplingParams
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.proposer import MTPProposer, ProposalRow
+from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -69,9 +70,10 @@ def _fixed(proposer, hidden, candidates, accepted):
         [q, q], bounds, TABLES, slot_mapping, BLOCK_SIZE, "cpu", seq_lens_device=seq_lens
     )
     tables = torch.tensor(TABLES, dtype=torch.int32)
-    return proposer.propose_uniform(
-        hidden, candidates, positions, metadata, torch.tensor(accepted), tables, TABLES, K
-    )
+    rows = VerifyRows(torch.tensor(STARTS), positions, None, slot_mapping, seq_lens)
+    counts = torch.tensor(accepted)
+    kept = Accepted(counts + 1, torch.arange(2) * q + counts, rows.start + counts)
+    return proposer.propose_uniform(hidden, candidates, rows, metadata, kept, tables, TABLES, K)
 
 
 @pytest.mark.parametrize("backend", [TorchAttentionBackend, TritonAttentionBackend])

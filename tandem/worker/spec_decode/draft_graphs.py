@@ -26,6 +26,7 @@ from tandem.layers.triton_attention import (
     block_table_array,
 )
 from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch_sizes
+from tandem.worker.spec_decode.slot_rows import depth_rows
 
 
 def draft_chain(
@@ -44,22 +45,22 @@ def draft_chain(
     attention backend (whose metadata is shaped on the host) also needs the block tables
     as ``host_block_tables``."""
     block_size = proposer.block_size
+    scratch_block = proposer.kv_caches[0].shape[1] - 1  # the cache's extra block
     query_starts = torch.arange(
         last_positions.shape[0] + 1, dtype=torch.int32, device=last_positions.device
     )
     drafts = []
     for depth in range(1, num_depths + 1):
-        positions = last_positions + depth
-        blocks = block_tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-        seq_lens = positions + 1
-        slot_mapping = blocks.long() * block_size + positions % block_size
+        positions, slot_mapping, seq_lens = depth_rows(
+            last_positions, block_tables, depth, block_size, scratch_block
+        )
         if isinstance(proposer.backend, TritonAttentionBackend):
             metadata = TritonAttentionMetadata(
                 slot_mapping=slot_mapping,
                 max_query_len=1,
                 block_tables=block_tables,
                 query_start_loc_device=query_starts,
-                seq_lens_device=seq_lens.to(torch.int32),
+                seq_lens_device=seq_lens,
             )
         else:  # the torch reference: its metadata is shaped from host values
             rows, width = block_tables.shape

@@ -176,19 +176,17 @@ class OracleProposer:
         self,
         target_hidden: torch.Tensor,
         next_tokens: torch.Tensor,
-        positions: torch.Tensor,
+        rows,
         metadata,
-        accepted: torch.Tensor,
+        accepted,
         block_tables: torch.Tensor,
         host_block_tables: list[list[int]],
         num_drafts: int,
         slot_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Drafts ``[rows, num_drafts]`` after a uniform verification step, on the device
-        alone: row b's new last token sits at its first position + ``accepted[b]`` + 1;
+        alone: row b's new last token sits at ``accepted.last_positions[b]`` + 1;
         ``slot_ids`` name the rows' table rows (required here)."""
         if slot_ids is None:
             raise ValueError("the oracle proposer needs the rows' slot_ids")
-        rows = accepted.shape[0]
-        first = positions.view(rows, positions.shape[0] // rows)[:, 0]
-        return self.drafts(slot_ids, first + accepted + 1)[:, :num_drafts]
+        return self.drafts(slot_ids, accepted.last_positions + 1)[:, :num_drafts]

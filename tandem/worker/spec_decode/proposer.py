@@ -22,6 +22,7 @@ from tandem.models.llama import LlamaModel
 from tandem.models.mtp import MTPHead
 from tandem.sampling_params import SamplingParams
 from tandem.worker.spec_decode.draft_graphs import draft_chain
+from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows
 from tandem.worker.step_sampler import sampling_batch
 
 
@@ -206,45 +207,43 @@ class MTPProposer:
         self,
         target_hidden: torch.Tensor,
         next_tokens: torch.Tensor,
-        positions: torch.Tensor,
+        rows: VerifyRows,
         metadata,
-        accepted: torch.Tensor,
+        accepted: Accepted,
         block_tables: torch.Tensor,
         host_block_tables: list[list[int]],
         num_drafts: int,
         slot_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy drafts ``[rows, num_drafts]`` after a uniform verification step, all on
-        the device: depth 0 runs at fixed shape over every verified row (``positions``,
-        ``metadata`` and the target's ``target_hidden`` of the step; ``next_tokens`` the
-        token after each position, i.e. the step's candidates), so rows past a request's
-        ``accepted`` count write MTP KV that the next step overwrites, exactly as the
-        target's rejected rows do; the accepted row's output is gathered and the later
-        depths chain from it (a CUDA graph when one fits). ``slot_ids`` (the rows' device
-        slots) are for proposers that need them (the benchmarks' oracle); unused here."""
-        rows = accepted.shape[0]
-        query_len = positions.shape[0] // rows
+        the device: depth 0 runs at fixed shape over every verified row (``rows``'
+        positions, ``metadata`` and the target's ``target_hidden`` of the step;
+        ``next_tokens`` the token after each position, i.e. the step's candidates), so rows
+        past a request's accepted count write MTP KV that the next step overwrites, exactly
+        as the target's rejected rows do; each row's kept output (``accepted.kept``) is
+        gathered and the later depths chain from it (a CUDA graph when one fits).
+        ``slot_ids`` (the rows' device slots) are for proposers that need them (the
+        benchmarks' oracle); unused here."""
         layer_index = self.head.layer_for_depth(0)
         layer = self.head.layers[layer_index]
         hidden = layer(
-            positions,
+            rows.positions,
             self.model.embed_tokens(next_tokens),
             target_hidden,
             self.kv_caches[layer_index],
             metadata,
             self.backend,
         )
-        kept = torch.arange(rows, device=accepted.device) * query_len + accepted
-        hidden = hidden.index_select(0, kept)
+        hidden = hidden.index_select(0, accepted.kept)
         first = self.model.compute_logits(layer.final_norm(hidden)).argmax(dim=-1)
         if num_drafts == 1:
             return first.unsqueeze(1)
-        last_positions = positions.view(rows, query_len)[:, 0] + accepted
+        last_positions = accepted.last_positions
         graphs = self.graphs
         if (
             graphs is not None
             and graphs.num_depths == num_drafts - 1
-            and graphs.padded_size(rows) is not None
+            and graphs.padded_size(first.shape[0]) is not None
         ):
             later = graphs.run_device(last_positions, block_tables, first, hidden)
         else:

@@ -25,6 +25,7 @@ from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_graphs import draft_chain
+from tandem.worker.spec_decode.slot_rows import accept, verify_rows
 
 
 class ResolvedStepGraphs:
@@ -47,8 +48,6 @@ class ResolvedStepGraphs:
         self.query_starts = torch.arange(
             0, (max_num_seqs + 1) * self.query_len, self.query_len, dtype=torch.int32, device=device
         )
-        self.offsets = torch.arange(self.query_len, device=device)
-        self.scratch = torch.tensor([slots.scratch], dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.num_replays = 0
 
@@ -63,78 +62,52 @@ class ResolvedStepGraphs:
         """The resolved step of the first ``size`` rows of the static buffers: candidates
         [size * (k + 1)] and emitted counts [size] (the slots are updated in place)."""
         runner, slots = self.runner, self.slots
-        k, q, block_size = self.num_drafts, self.query_len, runner.block_size
-        # Padding rows start from a clean scratch slot each step.
-        slots.next_start.index_fill_(0, self.scratch, 0)
+        q = self.query_len
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
-        start = slots.next_start.index_select(0, slot_ids)
-        positions = (start[:, None] + self.offsets).reshape(-1)
-        input_ids = torch.cat(
-            [
-                slots.last_token.index_select(0, slot_ids)[:, None],
-                slots.drafts.index_select(0, slot_ids),
-            ],
-            dim=1,
-        ).reshape(-1)
-        blocks = tables.gather(1, positions.view(size, q) // block_size)
-        slot_mapping = (blocks.long() * block_size).reshape(-1) + positions % block_size
+        rows = verify_rows(slots, slot_ids, tables, runner.block_size, self.scratch_block)
         metadata = TritonAttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=rows.slot_mapping,
             max_query_len=q,
             min_query_len=q,
             block_tables=tables,
             query_start_loc_device=self.query_starts[: size + 1],
-            seq_lens_device=(start + q).to(torch.int32),
+            seq_lens_device=rows.seq_lens,
         )
-        hidden = runner.model(input_ids, positions, runner.kv_caches, metadata, runner.backend)
+        hidden = runner.model(
+            rows.input_ids, rows.positions, runner.kv_caches, metadata, runner.backend
+        )
         candidates = runner.model.compute_logits(hidden).argmax(dim=-1)
-        per_row = candidates.view(size, q)
-        agree = input_ids.view(size, q)[:, 1:] == per_row[:, :k]
-        accepted = agree.long().cumprod(dim=1).sum(dim=1)
-        bonus = per_row.gather(1, accepted[:, None]).squeeze(1)
-        slots.next_start.index_copy_(0, slot_ids, start + accepted + 1)
-        slots.last_token.index_copy_(0, slot_ids, bonus)
-        drafts = self._draft(hidden, candidates, positions, metadata, accepted, tables, slot_ids)
+        accepted = accept(slots, slot_ids, rows, candidates)
+        drafts = self._draft(hidden, candidates, rows, metadata, accepted, tables, slot_ids)
         slots.drafts.index_copy_(0, slot_ids, drafts)
-        return candidates, accepted + 1
+        return candidates, accepted.emitted
 
     def _draft(
-        self, hidden, candidates, positions, metadata, accepted, tables, slot_ids
+        self, hidden, candidates, rows, metadata, accepted, tables, slot_ids
     ) -> torch.Tensor:
         """The MTP head's drafts after the verification (``propose_uniform``'s steps, with
         the later depths chained inline: a graph cannot replay another inside it)."""
         proposer = self.runner.proposer
         if getattr(proposer, "uniform_in_graph", False):  # no head (the benchmarks' oracle)
             return proposer.propose_uniform(
-                hidden,
-                candidates,
-                positions,
-                metadata,
-                accepted,
-                tables,
-                [],
-                self.num_drafts,
-                slot_ids,
+                hidden, candidates, rows, metadata, accepted, tables, [], self.num_drafts, slot_ids
             )
-        size, q = accepted.shape[0], self.query_len
         layer_index = proposer.head.layer_for_depth(0)
         layer = proposer.head.layers[layer_index]
         head_hidden = layer(
-            positions,
+            rows.positions,
             proposer.model.embed_tokens(candidates),
             hidden,
             proposer.kv_caches[layer_index],
             metadata,
             proposer.backend,
         )
-        kept = torch.arange(size, device=accepted.device) * q + accepted
-        head_hidden = head_hidden.index_select(0, kept)
+        head_hidden = head_hidden.index_select(0, accepted.kept)
         first = proposer.model.compute_logits(layer.final_norm(head_hidden)).argmax(dim=-1)
         if self.num_drafts == 1:
             return first.unsqueeze(1)
-        last_positions = positions.view(size, q)[:, 0] + accepted
         later = draft_chain(
-            proposer, last_positions, tables, first, head_hidden, self.num_drafts - 1
+            proposer, accepted.last_positions, tables, first, head_hidden, self.num_drafts - 1
         )
         return torch.cat([first.unsqueeze(1), later], dim=1)
 

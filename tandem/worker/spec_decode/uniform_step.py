@@ -20,6 +20,7 @@ from tandem.layers.triton_attention import block_table_array
 from tandem.worker.input_batch import RowPlan
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.request_slots import RequestSlots
+from tandem.worker.spec_decode.slot_rows import accept, verify_rows
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
 
 
@@ -58,43 +59,40 @@ def launch_uniform_step(
     k = slots.num_drafts
     query_len = k + 1
     device, block_size = runner.device, runner.block_size
-    rows = len(plans)
     slot_ids = to_device([plan.state.slot for plan in plans], torch.long, device)
-    start = slots.next_start.index_select(0, slot_ids)
-    positions = (start[:, None] + torch.arange(query_len, device=device)).reshape(-1)
-    input_ids = torch.cat(
-        [
-            slots.last_token.index_select(0, slot_ids)[:, None],
-            slots.drafts.index_select(0, slot_ids),
-        ],
-        dim=1,
-    ).reshape(-1)
     host_tables = [plan.row.block_ids for plan in plans]
     width = max(len(table) for table in host_tables)
     tables = to_device(block_table_array(host_tables, width), torch.int32, device)
-    blocks = tables.gather(1, (positions.view(rows, query_len) // block_size).int().long())
-    slot_mapping = (blocks.long() * block_size).reshape(-1) + positions % block_size
-    seq_lens = start + query_len
+    rows = verify_rows(slots, slot_ids, tables, block_size, runner.scratch_block)
     bounds = [
         min(len(plan.state.token_ids) + 2 * query_len, len(plan.row.block_ids) * block_size)
         for plan in plans
     ]
     metadata = runner.backend.build_metadata(
-        [query_len] * rows, bounds, host_tables, slot_mapping, block_size, device, seq_lens
+        [query_len] * len(plans),
+        bounds,
+        host_tables,
+        rows.slot_mapping,
+        block_size,
+        device,
+        rows.seq_lens,
     )
     hidden = runner.forward_resolved(
-        input_ids, positions, slot_mapping, seq_lens, tables, metadata, query_len
+        rows.input_ids,
+        rows.positions,
+        rows.slot_mapping,
+        rows.seq_lens,
+        tables,
+        metadata,
+        query_len,
     )
     logits = runner.model.compute_logits(hidden)
     sampling_rows = resolved_sampling_rows(plans, k)
     # Each row draws from the position after its last known token (keyed randomness).
-    sample = sample_step(sampling_rows, logits, input_ids, positions=start + 1)
-    accepted = sample.num_emitted - 1
-    bonus = sample.candidates.view(rows, query_len).gather(1, accepted[:, None]).squeeze(1)
-    slots.next_start.index_copy_(0, slot_ids, start + accepted + 1)
-    slots.last_token.index_copy_(0, slot_ids, bonus)
+    sample = sample_step(sampling_rows, logits, rows.input_ids, positions=rows.start + 1)
+    accepted = accept(slots, slot_ids, rows, sample.candidates, emitted=sample.num_emitted)
     drafts = runner.proposer.propose_uniform(
-        hidden, sample.candidates, positions, metadata, accepted, tables, host_tables, k, slot_ids
+        hidden, sample.candidates, rows, metadata, accepted, tables, host_tables, k, slot_ids
     )
     slots.drafts.index_copy_(0, slot_ids, drafts)
     return sample, sampling_rows
