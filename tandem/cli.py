@@ -311,16 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--kv-connector",
-        choices=["mooncake", "nccl", "cuda_ipc"],
-        default="mooncake",
-        help="how KV blocks move between prefill and decode instances",
+        choices=["zmq", "mooncake", "nccl", "cuda_ipc"],
+        default="zmq",
+        help="how KV blocks move between prefill and decode instances: zmq (default; signed "
+        "messages, listens only on --disagg-host), mooncake (TCP/RDMA; its ports listen on "
+        "every interface), nccl (GPUs; gloo on the CPU) or cuda_ipc (one GPU host)",
     )
     serve.add_argument(
         "--disagg-host",
         default="127.0.0.1",
-        help="address peers reach this instance's control channel and KV on (the control "
-        "channel listens only there; Mooncake 0.3's ports and the NCCL connector's store "
-        "listen on every interface: see docs/architecture.md, PD trust)",
+        help="address peers reach this instance's control channel and KV on, and the only "
+        "one they listen on (but Mooncake's ports: see docs/architecture.md, PD trust)",
     )
     serve.add_argument(
         "--disagg-port", type=int, default=0, help="control channel port (default: a free one)"
