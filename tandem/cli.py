@@ -231,6 +231,7 @@ def _router(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout_s,
         max_request_body_bytes=args.max_request_body_bytes,
         disagg_secret=secret,
+        api_key=args.api_key,
     )
     return 0
 
@@ -313,9 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-connector",
         choices=["zmq", "mooncake", "nccl", "cuda_ipc"],
         default="zmq",
-        help="how KV blocks move between prefill and decode instances: zmq (default; signed "
-        "messages, listens only on --disagg-host), mooncake (TCP/RDMA; its ports listen on "
-        "every interface), nccl (GPUs; gloo on the CPU) or cuda_ipc (one GPU host)",
+        help="how KV moves: zmq (signed messages), mooncake (TCP/RDMA), nccl or cuda_ipc",
     )
     serve.add_argument(
         "--disagg-host",
@@ -361,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     router.add_argument("--log-level", default="info")
     router.add_argument("--disagg-secret", default=None, help=DISAGG_SECRET_HELP)
+    router.add_argument("--api-key", help="require 'Authorization: Bearer KEY' but on /health")
     router.set_defaults(handler=_router)
 
     train = commands.add_parser("train-mtp", help="distill an MTP head for a base model")
