@@ -307,7 +307,10 @@ class ZmqKVConnector(KVConnector):
             while self._writers and time.monotonic() < end:
                 self._writers_lock.wait(max(end - time.monotonic(), 0.0))
             idle = not self._writers and not (self._thread and self._thread.is_alive())
-        if idle and not self._context.closed:
+        if not idle:  # a thread still holds its socket (and the caches): leave both to it
+            logger.warning("KV connector: closed with a thread or write still running")
+            return
+        if not self._context.closed:
             self._context.term()
         self._thread = self._inbox = None
         self.caches = []
