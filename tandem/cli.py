@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-connector",
         choices=["zmq", "mooncake", "nccl", "cuda_ipc"],
         default="zmq",
-        help="how KV moves: zmq (signed messages), mooncake (TCP/RDMA), nccl or cuda_ipc",
+        help="how KV moves: zmq (default; signed messages), mooncake (TCP/RDMA), nccl or cuda_ipc",
     )
     serve.add_argument(
         "--disagg-host",
