@@ -28,6 +28,7 @@ from tandem.bench.datasets import load_mtbench
 from tandem.disagg.trust import PREFILL_SIGNATURE_HEADER, SECRET_ENV, sign_prefill_url
 from tandem.engine_process import free_port
 from tandem.server.protocol import PREFILL_URL_HEADER
+from tests.unit.test_kv_connector import needs_mooncake
 
 pytestmark = pytest.mark.slow  # a prefill, a decode and a mixed server and the router, as processes
 
@@ -151,25 +152,11 @@ def chat_prompt_ids(questions: list[dict]) -> list[list[int]]:
     ]
 
 
-def _mooncake_missing() -> str:
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as error:
-        return str(error)
-    return ""
-
-
 @pytest.fixture(
     scope="module",
     params=[
         pytest.param((False, None), id="plain-zmq"),
-        pytest.param(
-            (True, "mooncake"),
-            id="mtp-mooncake",
-            marks=pytest.mark.skipif(
-                bool(_mooncake_missing()), reason="the Mooncake Transfer Engine (extra 'pd')"
-            ),
-        ),
+        pytest.param((True, "mooncake"), id="mtp-mooncake", marks=needs_mooncake),
     ],
 )
 def fleet(request):
