@@ -156,6 +156,7 @@ def _router(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout_s,
         max_request_body_bytes=args.max_request_body_bytes,
         disagg_secret=secret,
+        api_key=args.api_key,
     )
     return 0
 
@@ -236,16 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--kv-connector",
-        choices=["mooncake", "nccl", "cuda_ipc"],
-        default="mooncake",
-        help="how KV blocks move between prefill and decode instances",
+        choices=["zmq", "mooncake", "nccl", "cuda_ipc"],
+        default="zmq",
+        help="how KV moves: zmq (default; signed messages), mooncake (TCP/RDMA), nccl or cuda_ipc",
     )
     serve.add_argument(
         "--disagg-host",
         default="127.0.0.1",
-        help="address peers reach this instance's control channel and KV on (the control "
-        "channel listens only there; Mooncake 0.3's ports and the NCCL connector's store "
-        "listen on every interface: see docs/architecture.md, PD trust)",
+        help="address peers reach this instance's control channel and KV on, and the only "
+        "one they listen on (but Mooncake's ports: see docs/architecture.md, PD trust)",
     )
     serve.add_argument(
         "--disagg-port", type=int, default=0, help="control channel port (default: a free one)"
@@ -285,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     router.add_argument("--log-level", default="info")
     router.add_argument("--disagg-secret", default=None, help=DISAGG_SECRET_HELP)
+    router.add_argument("--api-key", help="require 'Authorization: Bearer KEY' but on /health")
     router.set_defaults(handler=_router)
 
     train = commands.add_parser("train-mtp", help="distill an MTP head for a base model")

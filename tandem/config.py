@@ -88,10 +88,12 @@ class DisaggConfig:
     instances send it and hands over the first token, its logprobs, the MTP drafts and the
     KV blocks; a ``decode`` instance reserves the blocks, asks a prefill instance for them
     and decodes from there. Control messages go over ZeroMQ at ``control_host`` and
-    ``control_port`` (0: a free port); KV blocks through ``kv_connector``."""
+    ``control_port`` (0: a free port); KV blocks through ``kv_connector``: ``zmq`` (the
+    default: listens only on ``control_host``, messages signed with the secret), ``mooncake``
+    (TCP or RDMA; its ports listen on every interface), ``nccl`` or ``cuda_ipc``."""
 
     role: str = "mixed"
-    kv_connector: str = "mooncake"
+    kv_connector: str = "zmq"
     control_host: str = "127.0.0.1"
     control_port: int = 0
     # A decode instance ends a request with an error when its prompt's KV has not arrived
@@ -100,7 +102,7 @@ class DisaggConfig:
     secret: str | None = field(default=None, repr=False)  # never in a log line
 
     ROLES = ("mixed", "prefill", "decode")
-    CONNECTORS = ("mooncake", "nccl", "cuda_ipc")
+    CONNECTORS = ("zmq", "mooncake", "nccl", "cuda_ipc")
 
     def __post_init__(self) -> None:
         if self.role not in self.ROLES:

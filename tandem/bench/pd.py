@@ -6,9 +6,9 @@ mixed instance, then a prefill and a decode instance (the decode instance asks t
 prefill instance for each prompt's KV; ``--kv-connector`` moves it: ``cuda_ipc`` between
 two processes on one GPU host, ``nccl`` by point-to-point send/recv (``--prefill-device cuda:0
 --decode-device cuda:1`` puts the two instances on two GPUs; the mixed instance runs on
-``--device``), ``mooncake`` over TCP/RDMA). The load: ``num_decode`` requests
-with short prompts decoding ``decode_output_len`` tokens each, all from the start, and
-``num_long`` requests of ``long_prompt_len``-token prompts arriving every
+``--device``), ``mooncake`` over TCP/RDMA, ``zmq`` over signed ZeroMQ messages). The load:
+``num_decode`` requests with short prompts decoding ``decode_output_len`` tokens each, all
+from the start, and ``num_long`` requests of ``long_prompt_len``-token prompts arriving every
 ``long_interval_s``. Reported: inter-token latency (p50, p99, max) of the decoding
 requests (in a mixed instance, the long prefills share its steps), time to first token of
 the long requests, and for PD the KV transfer rate (bytes over the connector's write time)
@@ -214,7 +214,7 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--decode-device", default=None, help="default: --device")
     parser.add_argument("--dtype", default=None)
     parser.add_argument(
-        "--kv-connector", choices=["mooncake", "nccl", "cuda_ipc"], default="mooncake"
+        "--kv-connector", choices=["mooncake", "zmq", "nccl", "cuda_ipc"], default="mooncake"
     )
     parser.add_argument(
         "--kv-cache-memory-gb", type=float, default=1.0, help="per instance (two share one GPU)"

@@ -44,6 +44,7 @@ from tandem.disagg.nccl_transport import (
     first_line,
     layers_per_message,
     pair_group,
+    pin_nccl_interface,
     receive_layers,
     seconds_left,
     send_layers,
@@ -58,10 +59,33 @@ _CLOSE_S = 2.0  # close() waits this long at most for the threads
 _IDLE = timedelta(hours=12)  # a blocking pop on our own store: loops on timeout
 
 
+def _bound_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server listening only on ``host`` (a free port). TCPStore binds every
+    interface when it opens its own socket: it is handed one bound here instead, and owns
+    (and closes) its descriptor from then on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family)
+    try:
+        store = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store closes it: closing it here too could close a reused number
+    return store
+
+
 class NcclKVConnector(KVConnector):
     """Sends KV blocks to a peer's caches with point-to-point ops of a 2-rank process group.
 
-    ``host`` is where peers reach this instance's TCPStore, ``timeout_s`` bounds every write
+    ``host`` is where peers reach this instance's TCPStore and the only address its store and
+    gloo pairs listen on (NCCL: see ``pin_nccl_interface``), ``timeout_s`` bounds every write
     (and every receive), ``serve`` starts the store and accepts writes (the decode side; a
     prefill instance passes False). CPU caches use gloo, CUDA caches NCCL.
     """
@@ -119,15 +143,10 @@ class NcclKVConnector(KVConnector):
         }
         if device.type == "cuda":
             keep_nvlink_multicast_off()
+            pin_nccl_interface(self.host)
             self._descriptor["gpu"] = gpu_id(device)
         if self.serve:
-            self._server = dist.TCPStore(
-                self.host,
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=self.timeout_s),
-            )
+            self._server = _bound_store(self.host, self.timeout_s)
             self._descriptor.update(host=self.host, port=self._server.port)
             self._threads.append(
                 threading.Thread(target=self._watch, daemon=True, name="tandem-kv-watch")
@@ -145,7 +164,7 @@ class NcclKVConnector(KVConnector):
     def _group(self, store, index: int, rank: int):
         """The 2-rank group of pair ``index`` (gloo construction waits for the other rank)."""
         cuda = self.caches[0].is_cuda
-        return pair_group(store, index, rank, self.timeout_s, cuda, self._env_lock)
+        return pair_group(store, index, rank, self.timeout_s, cuda, self._env_lock, self.host)
 
     def _new_stream(self):
         return torch.cuda.Stream(self.caches[0].device) if self.caches[0].is_cuda else None

@@ -10,12 +10,19 @@ process lives; 1 TearDown and 3 SkipCleanUp, the default, end the process),
 TORCH_NCCL_ENABLE_MONITORING=0 (no heartbeat monitor that kills it), TORCH_NCCL_DUMP_ON_TIMEOUT=0
 and TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0 (no wait for a debug dump before the abort: it held a
 timed-out receive over 30 s). NCCL_NVLS_ENABLE=0 where unset (point-to-point needs no multicast).
+NCCL_SOCKET_IFNAME, where unset, names the interface of the configured host, for the whole
+process (``pin_nccl_interface``): NCCL's bootstrap and proxy sockets listen there.
+
+A gloo pair listens on the configured host too (its device is built for that address).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -24,6 +31,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger("tandem.disagg")
+
+_WILDCARDS = ("", "0.0.0.0", "::")
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 _WINDOW = 2  # messages in flight per transfer: gather/scatter overlap the wire
 _NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
@@ -46,6 +57,42 @@ def _environment(values: dict[str, str]):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def socket_interface(host: str) -> str | None:
+    """The name of the network interface that holds IPv4 address ``host`` (a name is
+    resolved first); None if none does or it cannot be told (Linux only)."""
+    try:
+        address = socket.inet_aton(socket.gethostbyname(host))
+        import fcntl  # POSIX only
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            for _, name in socket.if_nameindex():
+                request = struct.pack("256s", name.encode()[:15])
+                with contextlib.suppress(OSError):  # an interface without an IPv4 address
+                    if fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24] == address:
+                        return name
+    except (OSError, ImportError):
+        return None
+    return None
+
+
+def pin_nccl_interface(host: str) -> None:
+    """Make NCCL's own sockets (bootstrap, proxy) listen on the interface that holds
+    ``host``: NCCL_SOCKET_IFNAME, set for the whole process (NCCL reads it once, at its first
+    communicator), unless the user set it or ``host`` is a wildcard or on no interface."""
+    if "NCCL_SOCKET_IFNAME" in os.environ or host in _WILDCARDS:
+        return
+    interface = socket_interface(host)
+    if interface is None:
+        logger.warning(
+            "KV connector: no network interface holds %s; NCCL picks its own (set "
+            "NCCL_SOCKET_IFNAME to choose)",
+            host,
+        )
+        return
+    os.environ["NCCL_SOCKET_IFNAME"] = f"={interface}"  # '=': this name exactly, no prefix
+    logger.info("KV connector: NCCL_SOCKET_IFNAME==%s (the interface of %s)", interface, host)
 
 
 def store_client(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
@@ -100,14 +147,28 @@ class SenderPair:
 
 
 def pair_group(
-    store, index: int, rank: int, timeout_s: float, cuda: bool, env_lock: threading.Lock
+    store,
+    index: int,
+    rank: int,
+    timeout_s: float,
+    cuda: bool,
+    env_lock: threading.Lock,
+    host: str = "",
 ):
     """The 2-rank group of pair ``index`` (gloo construction waits for the other rank); NCCL
-    for ``cuda`` caches, built under ``env_lock`` (the NCCL environment is process-wide)."""
+    for ``cuda`` caches, built under ``env_lock`` (the NCCL environment is process-wide).
+    A gloo pair listens on ``host`` (default, or a wildcard: the address of the machine's
+    host name)."""
     prefixed = dist.PrefixStore(f"pair{index}/", store)
     timeout = timedelta(seconds=timeout_s)
     if not cuda:
-        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        if host not in _WILDCARDS:
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        else:
+            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(prefixed, rank, 2, options)
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
     options._timeout = timeout  # the watchdog aborts an op this old (Work.wait may not)

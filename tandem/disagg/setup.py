@@ -15,14 +15,21 @@ from tandem.messages import TO_DECODE, TO_PREFILL
 
 logger = logging.getLogger("tandem.disagg")
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
 
 def make_kv_connector(kind: str, **options) -> KVConnector:
-    """A connector of ``kind``: "mooncake" (options of MooncakeKVConnector), "nccl" (point-to-point
+    """A connector of ``kind``: "zmq" (signed messages over ZeroMQ; options of ZmqKVConnector),
+    "mooncake" (options of MooncakeKVConnector), "nccl" (point-to-point
     send/recv between processes, NCCL on GPUs of one host or several, gloo on the CPU; options of
     NcclKVConnector), "cuda_ipc" (between processes on one GPU host; no options) or "local"
     (options ``registry`` and ``name``)."""
     if kind == "local":
         return LocalKVConnector(**options)
+    if kind == "zmq":
+        from tandem.disagg.zmq_connector import ZmqKVConnector
+
+        return ZmqKVConnector(**options)
     if kind == "mooncake":
         from tandem.disagg.mooncake_connector import MooncakeKVConnector
 
@@ -36,24 +43,46 @@ def make_kv_connector(kind: str, **options) -> KVConnector:
 
         return NcclKVConnector(**options)
     raise ValueError(
-        f"kind: unknown KV connector {kind!r} (expected 'mooncake', 'nccl', 'cuda_ipc' or 'local')"
+        f"kind: unknown KV connector {kind!r} (expected 'zmq', 'mooncake', 'nccl', 'cuda_ipc' "
+        "or 'local')"
     )
 
 
-def _configured_connector(config) -> KVConnector:
+def warn_if_listening_everywhere(kind: str, host: str) -> bool:
+    """Log (and return True) that ``kind``'s ports listen on every interface although
+    ``host`` names one: Mooncake's, which no option of 0.3.13 binds to an address."""
+    if kind != "mooncake" or host in WILDCARD_HOSTS:
+        return False
+    logger.warning(
+        "KV connector mooncake: its handshake and TCP data ports listen on every interface, "
+        "not only on --disagg-host %s, and any peer that reaches them can write into the "
+        "registered KV cache; firewall them, or use --kv-connector zmq (binds only %s, "
+        "frames signed with the shared secret). See docs/architecture.md, PD trust.",
+        host,
+        host,
+    )
+    return True
+
+
+def _configured_connector(config, secret: str) -> KVConnector:
     """The connector that ``config.disagg`` names, with its options."""
     disagg = config.disagg
     options = {}
     # A write that stalls fails within half the decode side's timeout.
     timeout_s = max(disagg.transfer_timeout_s / 2, 1.0)
-    if disagg.kv_connector == "mooncake":
+    # Only a decode instance receives (binds): a prefill instance's connector listens nowhere.
+    receives = {
+        "host": disagg.control_host,
+        "timeout_s": timeout_s,
+        "serve": disagg.role == "decode",
+    }
+    if disagg.kv_connector == "zmq":
+        options = {**receives, "key": derive_key(secret, "kv")}
+    elif disagg.kv_connector == "mooncake":
+        warn_if_listening_everywhere("mooncake", disagg.control_host)
         options = {"hostname": disagg.control_host, "timeout_s": timeout_s}
-    elif disagg.kv_connector == "nccl":  # only a decode instance receives
-        options = {
-            "host": disagg.control_host,
-            "timeout_s": timeout_s,
-            "serve": disagg.role == "decode",
-        }
+    elif disagg.kv_connector == "nccl":
+        options = receives
     return make_kv_connector(disagg.kv_connector, **options)
 
 
@@ -65,11 +94,11 @@ def start_pd_role(core, connector: KVConnector | None = None) -> PrefillRole | D
     disagg = core.config.disagg
     if disagg.role not in ("prefill", "decode"):
         raise ValueError(f"role {disagg.role!r} has no PD side; expected 'prefill' or 'decode'")
-    require_secret(disagg.secret, f"a {disagg.role} instance")  # before anything listens
+    secret = require_secret(disagg.secret, f"a {disagg.role} instance")  # before any listener
     if connector is None:
-        connector = _configured_connector(core.config)
+        connector = _configured_connector(core.config, secret)
     connector.register(core.runner.kv_caches_with_mtp())
-    key = derive_key(require_secret(disagg.secret, f"a {disagg.role} instance"), "control")
+    key = derive_key(secret, "control")
     accepts = TO_PREFILL if disagg.role == "prefill" else TO_DECODE
     channel = ControlChannel(disagg.control_host, disagg.control_port, accepts, key)
     logger.info(

@@ -181,10 +181,8 @@ class RouterState:
         content: bytes | None = None,
         headers: dict[str, str] | None = None,
     ) -> tuple[Instance, httpx.Response]:
-        """Send to a healthy decode instance, retrying once on another if it cannot connect.
-
-        Returns the instance and its response, whose body is still unread.
-        """
+        """Send to a healthy decode instance, retrying once on another if it cannot connect;
+        the instance and its response (its body still unread)."""
         tried: tuple[Instance, ...] = ()
         for _ in range(2):  # the first choice, then one retry
             decode = self.pick_or_503("decode", exclude=tried)
@@ -292,12 +290,13 @@ def build_router_app(
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     transport: httpx.AsyncBaseTransport | None = None,
     disagg_secret: str | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """A router app over the given instances; its state is ``app.state.router`` (RouterState).
 
-    A body over ``max_request_body_bytes`` is refused (413) before it is read.
-    ``disagg_secret`` signs the prefill URL it names (decode instances refuse an unsigned
-    one); ``transport`` replaces the network (tests pass an ``httpx.MockTransport``).
+    A body over ``max_request_body_bytes`` is refused (413) before it is read; with ``api_key``
+    every route but /health needs it. ``disagg_secret`` signs the prefill URL it names (decode
+    instances refuse an unsigned one); ``transport`` replaces the network (tests pass one).
     """
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
@@ -315,7 +314,7 @@ def build_router_app(
     app.state.router = state
 
     install_error_handlers(app)
-    install_guards(app, lambda: max_request_body_bytes)
+    install_guards(app, lambda: max_request_body_bytes, api_key)
 
     def auth_headers(request: Request) -> dict[str, str]:
         authorization = request.headers.get("authorization")

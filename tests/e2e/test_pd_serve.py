@@ -1,11 +1,11 @@
-"""PD disaggregation end to end: a prefill instance, a decode instance and a router, each
-its own ``tandem`` process on loopback, KV over the Mooncake Transfer Engine (TCP), next
-to a mixed instance. Through the router a client gets what the mixed instance gives
-(text, token ids, logprobs, finish reasons; streaming and not; with and without MTP); a
-first token that ends the request ends it on the decode side at once; a decode instance
-killed mid-stream, a prefill instance killed while it works, and one that stalls past the
-transfer timeout end each affected request with an error within the timeout, and leave
-no KV block held on the instances that survive.
+"""PD disaggregation end to end: a prefill instance, a decode instance and a router, each its
+own ``tandem`` process on loopback, next to a mixed instance; KV over the default connector
+(zmq), and, in the MTP fleet, over the Mooncake Transfer Engine (TCP). Through the router a
+client gets what the mixed instance gives (text, token ids, logprobs, finish reasons;
+streaming and not; with and without MTP); a first token that ends the request ends it on the
+decode side at once; a decode instance killed mid-stream, a prefill instance killed while it
+works, and one that stalls past the transfer timeout end each affected request with an error
+within the timeout, and leave no KV block held on the instances that survive.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from tandem.bench.datasets import load_mtbench
 from tandem.disagg.trust import PREFILL_SIGNATURE_HEADER, SECRET_ENV, sign_prefill_url
 from tandem.engine_process import free_port
 from tandem.server.protocol import PREFILL_URL_HEADER
-
-pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine (extra 'pd')")
+from tests.unit.test_kv_connector import needs_mooncake
 
 pytestmark = pytest.mark.slow  # a prefill, a decode and a mixed server and the router, as processes
 
@@ -102,9 +101,13 @@ class Fleet:
         self.logs.cleanup()
 
 
-def start_pd(fleet: Fleet, mtp: bool, mixed: bool = True) -> None:
+def start_pd(fleet: Fleet, mtp: bool, mixed: bool = True, connector: str | None = None) -> None:
+    """A prefill and a decode instance (KV over ``connector``; None: the default), the
+    router, and with ``mixed`` a mixed instance, all healthy."""
     spec = ["--speculative", "mtp", "--num-speculative-tokens", "3"] if mtp else []
     timeout = ["--transfer-timeout-s", str(TRANSFER_TIMEOUT_S)]
+    if connector is not None:
+        timeout += ["--kv-connector", connector]
     if mixed:
         fleet.start("mixed", ["serve", *ENGINE_ARGS, *spec])
     prefill = fleet.start("prefill", ["serve", "--role", "prefill", *ENGINE_ARGS, *spec, *timeout])
@@ -127,11 +130,11 @@ def start_pd(fleet: Fleet, mtp: bool, mixed: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def running_fleet(mtp: bool, mixed: bool = True):
+def running_fleet(mtp: bool, mixed: bool = True, connector: str | None = None):
     """A started fleet (``start_pd``), stopped on the way out."""
     fleet = Fleet()
     try:
-        start_pd(fleet, mtp=mtp, mixed=mixed)
+        start_pd(fleet, mtp=mtp, mixed=mixed, connector=connector)
         yield fleet
     finally:
         fleet.stop()
@@ -149,9 +152,18 @@ def chat_prompt_ids(questions: list[dict]) -> list[list[int]]:
     ]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "mtp"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param((False, None), id="plain-zmq"),
+        pytest.param((True, "mooncake"), id="mtp-mooncake", marks=needs_mooncake),
+    ],
+)
 def fleet(request):
-    with running_fleet(mtp=request.param) as fleet:
+    """Plain decoding with the default connector; MTP with Mooncake (both connectors
+    covered, one fleet each)."""
+    mtp, connector = request.param
+    with running_fleet(mtp=mtp, connector=connector) as fleet:
         yield fleet
 
 

@@ -1,5 +1,6 @@
 """The server's guards, without an engine: with an API key every route but /health needs
-it (the docs, /metrics and /v1/disagg/info included; /metrics may be left open by a flag);
+it (the docs, /metrics and /v1/disagg/info included; /metrics may be left open by a flag),
+on the router too (/router/instances included);
 a body over the size limit is refused with a 413 in OpenAI's schema before it is read
 (by its Content-Length, or chunk by chunk); tokenizing a prompt does not block the event
 loop; a dead engine's gauges are not shown stale."""
@@ -14,6 +15,7 @@ import httpx
 from tandem.messages import EngineInfo
 from tandem.server.app import build_app
 from tandem.server.guards import MIN_BODY_BYTES, default_max_body_bytes
+from tandem.server.router import build_router_app
 
 KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -108,6 +110,31 @@ def test_without_an_api_key_everything_is_open():
     app = build_app(FakeClient(), "m")
     metrics, docs = _send(app, [("GET", "/metrics", {}), ("GET", "/docs", {})])
     assert metrics.status_code == docs.status_code == 200
+
+
+def test_with_an_api_key_every_route_of_the_router_but_health_needs_it():
+    instances = (["http://prefill:8000"], ["http://decode:8000"])
+    app = build_router_app(*instances, api_key=KEY)
+    refused = _send(
+        app,
+        [
+            ("GET", "/router/instances", {}),
+            ("GET", "/router/instances", {"headers": {"Authorization": "Bearer nope"}}),
+            ("POST", "/v1/completions", {"json": {"prompt": "hi"}}),
+            ("GET", "/v1/models", {}),
+            ("GET", "/docs", {}),
+        ],
+    )
+    for response in refused:
+        _check_error(response, 401, "authentication_error")
+    health, listed = _send(
+        app, [("GET", "/health", {}), ("GET", "/router/instances", {"headers": AUTH})]
+    )
+    assert health.status_code == 200
+    assert listed.status_code == 200
+    assert [i["role"] for i in listed.json()] == ["prefill", "decode"]
+    open_router = build_router_app(*instances)  # without a key: open, as before
+    assert _send(open_router, [("GET", "/router/instances", {})])[0].status_code == 200
 
 
 def test_default_body_limit_follows_max_model_len():
