@@ -38,6 +38,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
         (
             "tandem/__init__.py",
             "tandem/cli.py",
+            "tandem/engine_options.py",  # the engine options of cli.py's commands
             "tandem/llm.py",
             "tandem/output_processor.py",  # detokenizer and stop strings of llm.py and server/
             "tandem/server/",
