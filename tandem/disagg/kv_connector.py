@@ -73,6 +73,17 @@ def cache_layout(caches: list[torch.Tensor]) -> dict:
     }
 
 
+def cache_device(caches: list[torch.Tensor]) -> torch.device:
+    """The one CPU or CUDA device every cache tensor lies on (KVTransferError otherwise)."""
+    device = caches[0].device
+    if device.type not in ("cpu", "cuda") or any(c.device != device for c in caches):
+        raise KVTransferError(
+            f"caches: expected one CPU or CUDA device, got "
+            f"{sorted({str(cache.device) for cache in caches})}"
+        )
+    return device
+
+
 def check_compatible(local: dict, peer: dict) -> None:
     """Raise KVTransferError naming the first layout field on which ``peer`` differs."""
     for field in LAYOUT_FIELDS:

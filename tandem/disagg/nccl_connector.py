@@ -37,7 +37,13 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout, gpu_id
+from tandem.disagg.kv_connector import (
+    KVConnector,
+    KVTransferError,
+    cache_device,
+    cache_layout,
+    gpu_id,
+)
 from tandem.disagg.nccl_transport import (
     SenderPair,
     destroy_group,
@@ -127,12 +133,7 @@ class NcclKVConnector(KVConnector):
         if self.caches:
             raise KVTransferError("register(): the caches are registered already")
         layout = cache_layout(caches)
-        device = caches[0].device
-        if device.type not in ("cpu", "cuda") or any(c.device != device for c in caches):
-            raise KVTransferError(
-                f"caches: expected one CPU or CUDA device, got "
-                f"{sorted({str(cache.device) for cache in caches})}"
-            )
+        device = cache_device(caches)
         self.caches = list(caches)
         self._descriptor = {
             "kind": self.kind,

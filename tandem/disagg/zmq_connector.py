@@ -32,7 +32,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tandem.disagg.control import FrameError, ReplayGuard
-from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_layout
+from tandem.disagg.kv_connector import KVConnector, KVTransferError, cache_device, cache_layout
 from tandem.disagg.zmq_frames import (
     TAG_BYTES,
     checked_chunks,
@@ -109,12 +109,7 @@ class ZmqKVConnector(KVConnector):
         if self.caches:
             raise KVTransferError("register(): the caches are registered already")
         layout = cache_layout(caches)
-        device = caches[0].device
-        if device.type not in ("cpu", "cuda") or any(c.device != device for c in caches):
-            raise KVTransferError(
-                f"caches: expected one CPU or CUDA device, got "
-                f"{sorted({str(cache.device) for cache in caches})}"
-            )
+        cache_device(caches)  # one CPU or CUDA device
         self.caches = list(caches)
         self._descriptor = {"kind": self.kind, **layout}
         if not self.serve:
