@@ -53,7 +53,9 @@ def apply_filters(
         return probs
     threshold = filter_threshold(probs, batch.top_k, batch.top_p, batch.min_p, use_triton)
     kept = probs.masked_fill(probs < threshold[:, None], 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
+    # A row whose filters are all off (threshold 0) keeps ``probs`` bit for bit, so a row
+    # gets the same distribution whichever filters the other rows of its batch use.
+    return torch.where(threshold[:, None] > 0, kept / kept.sum(dim=-1, keepdim=True), probs)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:

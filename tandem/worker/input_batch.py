@@ -158,6 +158,15 @@ class InputBatch:
             return self.slots.drafts[state.slot, : state.slot_drafts]
         return state.drafts
 
+    def draft_probs_of(self, state: RequestState, greedy: bool) -> torch.Tensor | None:
+        """The distributions [num_drafts, V] the request's drafts were drawn from (None
+        for a greedy request: q is one-hot on its drafts), wherever they are."""
+        if greedy:
+            return None
+        if state.drafts is None and state.slot_drafts:
+            return self.slots.draft_probs[state.slot, : state.slot_drafts]
+        return state.draft_probs
+
     def free_released_slots(self) -> None:
         """Give the dropped requests' slots back (no launched step holds them now)."""
         if self.slots is not None:

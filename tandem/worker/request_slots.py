@@ -2,7 +2,9 @@
 step in front of it has been read.
 
 Each running request with an MTP head owns one slot: the position of its last known token
-(where its next verification row starts), that token, and the k drafts to verify after it.
+(where its next verification row starts), that token, the k drafts to verify after it, and
+for a sampled request the distributions q [k, V] the drafts were drawn from (rejection
+sampling needs them: ``spec_decode/draft_sampling.py``).
 Every MTP step writes its rows' slots on the device, in stream order (verification moves
 ``next_start`` and ``last_token`` on by the accepted count, drafting fills ``drafts``), so a
 step queued behind it reads what the step before it will have written, without the host
@@ -24,12 +26,15 @@ class RequestSlots:
 
     scratch = 0  # the slot of padding rows, never assigned to a request
 
-    def __init__(self, num_drafts: int, device: torch.device, capacity: int = 8):
+    def __init__(self, num_drafts: int, vocab_size: int, device: torch.device, capacity: int = 8):
         self.num_drafts = num_drafts
         self.device = device
         self.next_start = torch.zeros(capacity, dtype=torch.long, device=device)
         self.last_token = torch.zeros(capacity, dtype=torch.long, device=device)
         self.drafts = torch.zeros((capacity, num_drafts), dtype=torch.long, device=device)
+        self.draft_probs = torch.zeros(
+            (capacity, num_drafts, vocab_size), dtype=torch.float32, device=device
+        )
         self._free = list(range(capacity - 1, 0, -1))
         self.generation = 0
 
@@ -44,6 +49,7 @@ class RequestSlots:
             self.next_start = torch.cat([self.next_start, torch.zeros_like(self.next_start)])
             self.last_token = torch.cat([self.last_token, torch.zeros_like(self.last_token)])
             self.drafts = torch.cat([self.drafts, torch.zeros_like(self.drafts)])
+            self.draft_probs = torch.cat([self.draft_probs, torch.zeros_like(self.draft_probs)])
             self._free = list(range(2 * old - 1, old - 1, -1))
             self.generation += 1
         return self._free.pop()
@@ -53,10 +59,22 @@ class RequestSlots:
         self._free.append(slot)
 
     def write(
-        self, slots: list[int], starts: list[int], last_tokens: list[int], drafts: torch.Tensor
+        self,
+        slots: list[int],
+        starts: list[int],
+        last_tokens: list[int],
+        drafts: torch.Tensor,
+        draft_probs: dict[int, torch.Tensor] | None = None,
     ) -> None:
-        """Set slots from host values and device drafts [len(slots), k] (no wait)."""
+        """Set slots from host values and device drafts [len(slots), k], and the
+        distributions [k, V] of sampled drafts by slot (``draft_probs``; no wait)."""
         index = to_device(slots, torch.long, self.device)
         self.next_start.index_copy_(0, index, to_device(starts, torch.long, self.device))
         self.last_token.index_copy_(0, index, to_device(last_tokens, torch.long, self.device))
         self.drafts.index_copy_(0, index, drafts)
+        if draft_probs:
+            self.draft_probs.index_copy_(
+                0,
+                to_device(list(draft_probs), torch.long, self.device),
+                torch.stack(list(draft_probs.values())).float(),
+            )

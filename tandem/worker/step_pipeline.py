@@ -13,7 +13,7 @@ sample, filled in on the device. With an MTP head a step has up to three parts: 
 the device can resolve (``spec_decode/mtp_steps.py``: a row verifies k drafts from its
 request's device slot) are launched ahead as one resolved step that drafts at launch; after
 the step in front is read, the rows it made resolvable go as a second resolved step, and
-the others (a prompt chunk, a sampled or near-the-end row) as a ragged step that drafts at
+the others (a prompt chunk, a near-the-end row) as a ragged step that drafts at
 its own read. The parts are read with one wait. Each part reads the model's weights once:
 for a model over ``SPLIT_STEP_MAX_WEIGHT_BYTES`` a step that cannot launch whole ahead goes
 as one part after the read.
@@ -76,7 +76,7 @@ class StepPipeline:
         slots = None
         if runner.proposer is not None:  # room for every running request and the ones ending
             capacity = 2 * runner.config.scheduler.max_num_seqs + 2
-            slots = RequestSlots(num_drafts, runner.device, capacity)
+            slots = RequestSlots(num_drafts, runner.arch.vocab_size, runner.device, capacity)
         # Every rank seeds alike, so all sample the same tokens from the same full logits.
         self.batch = InputBatch(
             runner.device, runner.block_size, runner.max_model_len, slots, runner.config.seed
@@ -90,7 +90,7 @@ class StepPipeline:
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
         # MTP steps resolved on the device, and those queued before the step in front of
         # them was read (the rest read first: a prefill joined, a row near the length
-        # limit, sampled rows, ...).
+        # limit, ...).
         self.num_resolved_steps = 0
         self.num_launched_ahead = 0
 
@@ -221,7 +221,7 @@ class StepPipeline:
                     state.seed,
                     plan.start + plan.num_known,  # the position its first draw is for
                     len(state.token_ids) - state.num_prompt_tokens,
-                    state.draft_probs,
+                    self.batch.draft_probs_of(state, plan.row.request.sampling_params.greedy),
                 )
             )
             first = plan.offset + plan.num_known - 1

@@ -36,8 +36,21 @@ def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_mtp_decode_steps_are_queued_before_the_previous_read(make_llm, prompts):
+def _sampled(max_tokens: int = 48, **kwargs) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.8, top_p=0.95, seed=7, max_tokens=max_tokens, logprobs=2, **kwargs
+    )
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_mtp_decode_steps_are_queued_before_the_previous_read(
+    make_llm, prompts, sampled, monkeypatch
+):
+    """Greedy: the plain engine's tokens. Sampled (rejection sampling against the head's
+    drafts and their q, kept in the device slots): the tokens and logprobs of MTP without
+    overlap and without resolved steps, whose rows are all ragged and known to the host."""
     llm = make_llm(speculative="mtp", num_speculative_tokens=K)
+    params = _sampled(ignore_eos=True) if sampled else _greedy(ignore_eos=True)
     pipeline = llm.engine.pipeline
     step_ahead = pipeline.step_ahead
     decode_steps = ahead = 0
@@ -57,11 +70,24 @@ def test_mtp_decode_steps_are_queued_before_the_previous_read(make_llm, prompts)
 
     pipeline.step_ahead = counting
     try:
-        outputs = llm.generate(prompts, _greedy(ignore_eos=True), use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del pipeline.step_ahead
-    plain = make_llm().generate(prompts, _greedy(ignore_eos=True), use_tqdm=False)
-    assert _tokens(outputs) == _tokens(plain)
+    if sampled:
+        reference = make_llm(speculative="mtp", num_speculative_tokens=K, overlap=False)
+        mtp = reference.engine.pipeline.mtp
+        monkeypatch.setattr(mtp, "row_resolvable", lambda row, ahead: False)
+    else:
+        reference = make_llm()
+    want = reference.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outputs) == _tokens(want)
+    if sampled:  # and the same logprobs, from the target's raw logits
+        for got_output, want_output in zip(outputs, want, strict=True):
+            for got, expected in zip(
+                got_output.outputs[0].logprobs, want_output.outputs[0].logprobs, strict=True
+            ):
+                for token, entry in expected.items():
+                    assert abs(got[token].logprob - entry.logprob) < 1e-4
     assert decode_steps >= 10
     assert ahead >= 0.9 * decode_steps, f"{ahead} of {decode_steps} decode steps ran ahead"
 

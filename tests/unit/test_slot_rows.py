@@ -19,7 +19,7 @@ def _t(values) -> torch.Tensor:
 
 
 def _slots(num_drafts: int, seed: int = 0) -> RequestSlots:
-    slots = RequestSlots(num_drafts, DEVICE, capacity=8)
+    slots = RequestSlots(num_drafts, 1000, DEVICE, capacity=8)
     generator = torch.Generator().manual_seed(seed)
     slots.next_start.copy_(torch.randint(0, 9, (8,), generator=generator))
     slots.last_token.copy_(torch.randint(0, 1000, (8,), generator=generator))

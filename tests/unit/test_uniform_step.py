@@ -12,8 +12,10 @@ from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import load_mtp_head
 from tandem.sampling_params import SamplingParams
 from tandem.worker.request_slots import RequestSlots
+from tandem.worker.spec_decode.draft_sampling import DraftSampling
 from tandem.worker.spec_decode.proposer import MTPProposer, ProposalRow
 from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows
+from tandem.worker.step_sampler import sampling_batch
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -21,6 +23,7 @@ MAX_MODEL_LEN = 40
 K = 3
 TABLES = [[2, 9, 4, 7], [5, 1, 10, 3]]  # not contiguous, not sorted
 STARTS = [6, 9]  # each request's verification row starts here (its last known token)
+SEEDS = [1234567, 89]  # the requests' key seeds (sampled drafting)
 
 
 def _proposer(backend) -> MTPProposer:
@@ -38,8 +41,10 @@ def _slot(table: list[int], position: int) -> int:
     return table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
 
 
-def _ragged(proposer, hidden, candidates, accepted):
-    """The proposer's drafting over each request's kept positions only (start..start+a)."""
+def _ragged(proposer, hidden, candidates, accepted, params=None):
+    """The proposer's drafting over each request's kept positions only (start..start+a):
+    drafts [2, K], and their distributions [2, K, V] when ``params`` (one per request) are
+    given (request i's key seed is SEEDS[i])."""
     q = K + 1
     rows = [
         ProposalRow(
@@ -52,13 +57,21 @@ def _ragged(proposer, hidden, candidates, accepted):
         )
         for i, (start, a) in enumerate(zip(STARTS, accepted, strict=True))
     ]
-    sampling = {row.request_id: (SamplingParams(temperature=0.0), 0) for row in rows}
+    if params is None:
+        sampling = {row.request_id: (SamplingParams(temperature=0.0), 0) for row in rows}
+    else:
+        sampling = {row.request_id: (params[i], SEEDS[i]) for i, row in enumerate(rows)}
     proposal = proposer.propose(rows, hidden, sampling)
-    return torch.stack([proposal.draft_token_ids[row.request_id] for row in rows])
+    drafts = torch.stack([proposal.draft_token_ids[row.request_id] for row in rows])
+    if params is None:
+        return drafts
+    probs = [proposal.draft_probs.get(row.request_id) for row in rows]
+    return drafts, probs
 
 
-def _fixed(proposer, hidden, candidates, accepted):
-    """Drafting at fixed shape over every verified row, the accepted one gathered."""
+def _fixed(proposer, hidden, candidates, accepted, params=None):
+    """Drafting at fixed shape over every verified row, the accepted one gathered (sampled
+    as ``_ragged`` when ``params`` are given)."""
     q = K + 1
     positions = torch.tensor([s + j for s in STARTS for j in range(q)])
     slot_mapping = torch.tensor(
@@ -73,7 +86,17 @@ def _fixed(proposer, hidden, candidates, accepted):
     rows = VerifyRows(torch.tensor(STARTS), positions, None, slot_mapping, seq_lens)
     counts = torch.tensor(accepted)
     kept = Accepted(counts + 1, torch.arange(2) * q + counts, rows.start + counts)
-    return proposer.propose_uniform(hidden, candidates, rows, metadata, kept, tables, TABLES, K)
+    sampling = None
+    if params is not None:
+        batch = sampling_batch(params, torch.tensor(SEEDS), proposer.model.arch.vocab_size, "cpu")
+        sampling = DraftSampling(batch, kept.last_positions + 2)
+    drafts, probs = proposer.propose_uniform(
+        hidden, candidates, rows, metadata, kept, tables, TABLES, K, sampling=sampling
+    )
+    if params is None:
+        assert probs is None  # greedy rows: q is one-hot
+        return drafts
+    return drafts, probs
 
 
 @pytest.mark.parametrize("backend", [TorchAttentionBackend, TritonAttentionBackend])
@@ -100,15 +123,45 @@ def test_fixed_shape_drafting_equals_the_ragged_one_for_every_accepted_count(bac
                 )
 
 
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, TritonAttentionBackend])
+@pytest.mark.parametrize("accepted", [[0, 3], [1, 2], [2, 1], [3, 0]])
+def test_fixed_shape_sampled_drafting_equals_the_ragged_one(backend, accepted):
+    """A sampled request and a greedy one in the same batch: the fixed-shape drafting draws
+    the ragged drafting's tokens (keyed by seed, position and depth) from the same
+    distributions q, which only the sampled request has."""
+    params = [SamplingParams(temperature=1.3, top_k=20, top_p=0.9), SamplingParams(temperature=0)]
+    if accepted[0] < accepted[1]:
+        params.reverse()
+    ragged, fixed = _proposer(backend()), _proposer(backend())
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn((2 * (K + 1), ragged.model.arch.hidden_size), generator=generator)
+    candidates = torch.randint(0, ragged.model.arch.vocab_size, (2 * (K + 1),), generator=generator)
+    with torch.inference_mode():
+        want_drafts, want_probs = _ragged(ragged, hidden, candidates, accepted, params)
+        got_drafts, got_probs = _fixed(fixed, hidden, candidates, accepted, params)
+    assert torch.equal(got_drafts, want_drafts)
+    sampled = 0 if not params[0].greedy else 1
+    assert want_probs[1 - sampled] is None  # the greedy request's q is one-hot
+    assert got_probs.shape == (2, K, ragged.model.arch.vocab_size)
+    torch.testing.assert_close(got_probs[sampled], want_probs[sampled], rtol=1e-5, atol=1e-6)
+    # Each sampled draft has mass under its q (a draw from it), and q sums to one.
+    drawn = got_probs[sampled].gather(1, got_drafts[sampled][:, None])
+    assert bool((drawn > 0).all())
+    torch.testing.assert_close(got_probs[sampled].sum(dim=-1), torch.ones(K))
+
+
 def test_slots_grow_on_demand_and_are_reused_after_release():
-    slots = RequestSlots(num_drafts=2, device=torch.device("cpu"), capacity=3)
+    slots = RequestSlots(num_drafts=2, vocab_size=5, device=torch.device("cpu"), capacity=3)
     first = [slots.assign() for _ in range(2)]  # slot 0 is the padding rows' scratch slot
     assert RequestSlots.scratch not in first and slots.generation == 0
-    slots.write(first, [5, 7], [11, 13], torch.tensor([[1, 2], [3, 4]]))
+    q = torch.rand((2, 5))  # the second request's drafts were sampled from q
+    slots.write(first, [5, 7], [11, 13], torch.tensor([[1, 2], [3, 4]]), {first[1]: q})
     third = slots.assign()  # full: the storage doubles and keeps what it held
     assert slots.capacity == 6 and third not in first and slots.generation == 1
     assert slots.next_start[first].tolist() == [5, 7]
     assert slots.last_token[first].tolist() == [11, 13]
     assert slots.drafts[first].tolist() == [[1, 2], [3, 4]]
+    assert torch.equal(slots.draft_probs[first[1]], q)
+    assert slots.draft_probs.shape == (6, 2, 5)
     slots.release(first[0])
     assert slots.assign() == first[0]

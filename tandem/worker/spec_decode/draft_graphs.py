@@ -26,6 +26,7 @@ from tandem.layers.triton_attention import (
     block_table_array,
 )
 from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch_sizes
+from tandem.worker.spec_decode.draft_sampling import DraftSampling, draft_tokens
 from tandem.worker.spec_decode.slot_rows import depth_rows
 
 
@@ -37,19 +38,21 @@ def draft_chain(
     hidden: torch.Tensor,
     num_depths: int,
     host_block_tables: list[list[int]] | None = None,
-) -> torch.Tensor:
-    """Greedy draft depths 1..``num_depths`` of one row per request: ``[rows, num_depths]``
+    sampling: DraftSampling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft depths 1..``num_depths`` of one row per request: ``[rows, num_depths]``
     tokens, each depth at the next position after ``last_positions`` (the last kept one) on
-    the previous depth's ``tokens`` and ``hidden`` (writes the head's KV at each depth).
-    Positions, KV slots and sequence lengths are computed on the device. The torch
-    attention backend (whose metadata is shaped on the host) also needs the block tables
-    as ``host_block_tables``."""
+    the previous depth's ``tokens`` and ``hidden`` (writes the head's KV at each depth),
+    and their distributions ``[rows, num_depths, V]`` for a batch with sampled rows
+    (``sampling``; None when every row is greedy). Positions, KV slots and sequence lengths
+    are computed on the device. The torch attention backend (whose metadata is shaped on
+    the host) also needs the block tables as ``host_block_tables``."""
     block_size = proposer.block_size
     scratch_block = proposer.kv_caches[0].shape[1] - 1  # the cache's extra block
     query_starts = torch.arange(
         last_positions.shape[0] + 1, dtype=torch.int32, device=last_positions.device
     )
-    drafts = []
+    drafts, draft_probs = [], []
     for depth in range(1, num_depths + 1):
         positions, slot_mapping, seq_lens = depth_rows(
             last_positions, block_tables, depth, block_size, scratch_block
@@ -83,9 +86,12 @@ def draft_chain(
             metadata,
             proposer.backend,
         )
-        tokens = proposer.model.compute_logits(layer.final_norm(hidden)).argmax(dim=-1)
+        logits = proposer.model.compute_logits(layer.final_norm(hidden))
+        tokens, probs = draft_tokens(logits, sampling, depth)
         drafts.append(tokens)
-    return torch.stack(drafts, dim=1)
+        if probs is not None:
+            draft_probs.append(probs)
+    return torch.stack(drafts, dim=1), torch.stack(draft_probs, dim=1) if draft_probs else None
 
 
 class DraftGraphRunner:
@@ -123,7 +129,7 @@ class DraftGraphRunner:
 
     def _chain(self, size: int) -> torch.Tensor:
         """Depths 1..num_depths for the first ``size`` rows of the static buffers."""
-        return draft_chain(
+        drafts, _ = draft_chain(
             self.proposer,
             self.last_positions[:size],
             self.block_tables[:size],
@@ -131,6 +137,7 @@ class DraftGraphRunner:
             self.hidden[:size],
             self.num_depths,
         )
+        return drafts
 
     def _fill(
         self,

@@ -1,7 +1,7 @@
 """The MTP side of the step pipeline: which steps the device can resolve (and so launch
 before the step in front of them is read), their launch, and drafting after the read of a
-step that was not resolved (a prefill chunk joined, a sampled row, a row near the end of the
-context: the head's rows there are ragged and known to the host only then)."""
+step that was not resolved (a prefill chunk joined, a row near the end of the context: the
+head's rows there are ragged and known to the host only then)."""
 
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ class MTPSteps:
 
     def row_resolvable(self, row: ScheduledRequest, ahead: bool) -> bool:
         """Whether the device can resolve ``row``: the verification of a full k drafts of a
-        greedy request whose slot is ready, with no end-token ban to apply (min_tokens
-        met), and room for its writes within its blocks and the context; ``ahead``: a step
-        in front of it is still unread, so the room must hold however many drafts that
-        step accepts."""
+        request (greedy or sampled) whose slot is ready, with no end-token ban to apply
+        (min_tokens met), and room for its writes within its blocks and the context;
+        ``ahead``: a step in front of it is still unread, so the room must hold however
+        many drafts that step accepts."""
         if not getattr(self.runner.proposer, "resolves_on_device", False):
             return False
         k = self.slots.num_drafts
@@ -64,7 +64,6 @@ class MTPSteps:
             or row.num_new_tokens < k + 1
             or state is None
             or not state.slot_ready
-            or not params.greedy
             or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens
         ):
             return False
@@ -91,7 +90,11 @@ class MTPSteps:
         if (
             graphs is not None
             and graphs.padded_size(len(plans)) is not None
-            and all(plan.row.request.sampling_params.logprobs is None for plan in plans)
+            and all(
+                plan.row.request.sampling_params.greedy
+                and plan.row.request.sampling_params.logprobs is None
+                for plan in plans
+            )
         ):
             candidates, emitted = graphs.run(
                 [plan.state.slot for plan in plans], [plan.row.block_ids for plan in plans]
@@ -109,7 +112,8 @@ class MTPSteps:
         for plan in plans:
             state = plan.state
             num_drafts = max(0, min(k, max_model_len - len(state.token_ids)))
-            state.drafts, state.slot_drafts = None, num_drafts
+            state.drafts = state.draft_probs = None
+            state.slot_drafts = num_drafts
             state.slot_ready = num_drafts == k
             output.num_drafts[plan.request_id] = num_drafts
 
@@ -167,6 +171,7 @@ class MTPSteps:
             [len(state.token_ids) - 1 for state in states],
             [state.token_ids[-1] for state in states],
             torch.stack([state.drafts for state in states]),
+            {state.slot: state.draft_probs for state in states if state.draft_probs is not None},
         )
         for state in states:
             state.slot_ready = True

@@ -183,10 +183,12 @@ class OracleProposer:
         host_block_tables: list[list[int]],
         num_drafts: int,
         slot_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        sampling=None,
+    ) -> tuple[torch.Tensor, None]:
         """Drafts ``[rows, num_drafts]`` after a uniform verification step, on the device
         alone: row b's new last token sits at ``accepted.last_positions[b]`` + 1;
-        ``slot_ids`` name the rows' table rows (required here)."""
+        ``slot_ids`` name the rows' table rows (required here). Its drafts are the same for
+        sampled rows (``sampling`` is unused): their q is one-hot, hence no distributions."""
         if slot_ids is None:
             raise ValueError("the oracle proposer needs the rows' slot_ids")
-        return self.drafts(slot_ids, accepted.last_positions + 1)[:, :num_drafts]
+        return self.drafts(slot_ids, accepted.last_positions + 1)[:, :num_drafts], None

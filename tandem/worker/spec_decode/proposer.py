@@ -16,12 +16,11 @@ import torch
 
 from tandem.device_copy import to_device
 from tandem.layers.attention import AttentionBackend
-from tandem.layers.keyed_random import draft_draw
-from tandem.layers.sampler import apply_filters, draw
 from tandem.models.llama import LlamaModel
 from tandem.models.mtp import MTPHead
 from tandem.sampling_params import SamplingParams
 from tandem.worker.spec_decode.draft_graphs import draft_chain
+from tandem.worker.spec_decode.draft_sampling import DraftSampling, draft_tokens
 from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows
 from tandem.worker.step_sampler import sampling_batch
 
@@ -151,6 +150,7 @@ class MTPProposer:
                 [r.positions[-1] + 2 for r in drafting_rows], torch.long, device
             )
         batch = sampling_batch(params, seeds, self.model.arch.vocab_size, device)
+        draft_sampling = DraftSampling(batch, first_positions)
         max_depth = max(r.num_drafts for r in drafting_rows)
         # Depths >= 1 by one graph replay when every row drafts greedily to the full depth.
         graphs = self.graphs
@@ -177,12 +177,7 @@ class MTPProposer:
                 )
             layer = self.head.layers[self.head.layer_for_depth(depth)]
             logits = self.model.compute_logits(layer.final_norm(hidden))
-            tokens = logits.argmax(dim=-1)
-            probs = None
-            if not batch.all_greedy:
-                probs = apply_filters(logits, batch)
-                sampled = draw(probs, batch.seeds, first_positions + depth, draft_draw(depth))
-                tokens = torch.where(batch.greedy, tokens, sampled)
+            tokens, probs = draft_tokens(logits, draft_sampling, depth)
             tokens_per_depth.append(tokens)
             probs_per_depth.append(probs)
         if graphed:
@@ -214,16 +209,19 @@ class MTPProposer:
         host_block_tables: list[list[int]],
         num_drafts: int,
         slot_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Greedy drafts ``[rows, num_drafts]`` after a uniform verification step, all on
-        the device: depth 0 runs at fixed shape over every verified row (``rows``'
+        sampling: DraftSampling | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts ``[rows, num_drafts]`` after a uniform verification step, all on the
+        device, and for sampled rows (``sampling``, None for a greedy batch) the
+        distributions they were drawn from ``[rows, num_drafts, V]`` (None when every row
+        is greedy). Depth 0 runs at fixed shape over every verified row (``rows``'
         positions, ``metadata`` and the target's ``target_hidden`` of the step;
         ``next_tokens`` the token after each position, i.e. the step's candidates), so rows
         past a request's accepted count write MTP KV that the next step overwrites, exactly
         as the target's rejected rows do; each row's kept output (``accepted.kept``) is
-        gathered and the later depths chain from it (a CUDA graph when one fits).
-        ``slot_ids`` (the rows' device slots) are for proposers that need them (the
-        benchmarks' oracle); unused here."""
+        gathered and the later depths chain from it (a CUDA graph when one fits and every
+        row is greedy). ``slot_ids`` (the rows' device slots) are for proposers that need
+        them (the benchmarks' oracle); unused here."""
         layer_index = self.head.layer_for_depth(0)
         layer = self.head.layers[layer_index]
         hidden = layer(
@@ -235,25 +233,31 @@ class MTPProposer:
             self.backend,
         )
         hidden = hidden.index_select(0, accepted.kept)
-        first = self.model.compute_logits(layer.final_norm(hidden)).argmax(dim=-1)
+        logits = self.model.compute_logits(layer.final_norm(hidden))
+        first, first_probs = draft_tokens(logits, sampling, 0)
         if num_drafts == 1:
-            return first.unsqueeze(1)
+            return first.unsqueeze(1), None if first_probs is None else first_probs.unsqueeze(1)
         last_positions = accepted.last_positions
         graphs = self.graphs
         if (
-            graphs is not None
+            first_probs is None
+            and graphs is not None
             and graphs.num_depths == num_drafts - 1
             and graphs.padded_size(first.shape[0]) is not None
         ):
             later = graphs.run_device(last_positions, block_tables, first, hidden)
-        else:
-            later = draft_chain(
-                self,
-                last_positions,
-                block_tables,
-                first,
-                hidden,
-                num_drafts - 1,
-                host_block_tables,
-            )
-        return torch.cat([first.unsqueeze(1), later], dim=1)
+            return torch.cat([first.unsqueeze(1), later], dim=1), None
+        later, later_probs = draft_chain(
+            self,
+            last_positions,
+            block_tables,
+            first,
+            hidden,
+            num_drafts - 1,
+            host_block_tables,
+            sampling,
+        )
+        drafts = torch.cat([first.unsqueeze(1), later], dim=1)
+        if first_probs is None:
+            return drafts, None
+        return drafts, torch.cat([first_probs.unsqueeze(1), later_probs], dim=1)

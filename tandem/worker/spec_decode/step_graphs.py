@@ -89,9 +89,10 @@ class ResolvedStepGraphs:
         the later depths chained inline: a graph cannot replay another inside it)."""
         proposer = self.runner.proposer
         if getattr(proposer, "uniform_in_graph", False):  # no head (the benchmarks' oracle)
-            return proposer.propose_uniform(
+            drafts, _ = proposer.propose_uniform(
                 hidden, candidates, rows, metadata, accepted, tables, [], self.num_drafts, slot_ids
             )
+            return drafts
         layer_index = proposer.head.layer_for_depth(0)
         layer = proposer.head.layers[layer_index]
         head_hidden = layer(
@@ -106,7 +107,7 @@ class ResolvedStepGraphs:
         first = proposer.model.compute_logits(layer.final_norm(head_hidden)).argmax(dim=-1)
         if self.num_drafts == 1:
             return first.unsqueeze(1)
-        later = draft_chain(
+        later, _ = draft_chain(
             proposer, accepted.last_positions, tables, first, head_hidden, self.num_drafts - 1
         )
         return torch.cat([first.unsqueeze(1), later], dim=1)

@@ -20,8 +20,9 @@ from tandem.layers.triton_attention import block_table_array
 from tandem.worker.input_batch import RowPlan
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.request_slots import RequestSlots
-from tandem.worker.spec_decode.slot_rows import accept, verify_rows
-from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
+from tandem.worker.spec_decode.draft_sampling import DraftSampling
+from tandem.worker.spec_decode.slot_rows import Accepted, accept, verify_rows
+from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step, sampling_batch
 
 
 def resolved_length_bound(num_known_tokens: int, num_drafts: int, ahead: bool = True) -> int:
@@ -34,8 +35,12 @@ def resolved_length_bound(num_known_tokens: int, num_drafts: int, ahead: bool = 
     return start + num_drafts + (num_drafts - 1) + 1
 
 
-def resolved_sampling_rows(plans: list[RowPlan], num_drafts: int) -> list[SamplingRow]:
-    """The sampling rows of a resolved step: row b's logits start at ``b * (k + 1)``."""
+def resolved_sampling_rows(
+    plans: list[RowPlan], num_drafts: int, draft_probs: torch.Tensor | None = None
+) -> list[SamplingRow]:
+    """The sampling rows of a resolved step: row b's logits start at ``b * (k + 1)``;
+    sampled rows verify against their drafts' distributions ``draft_probs[b]`` (the rows'
+    slots' q, gathered)."""
     return [
         SamplingRow(
             index * (num_drafts + 1),
@@ -44,9 +49,27 @@ def resolved_sampling_rows(plans: list[RowPlan], num_drafts: int) -> list[Sampli
             plan.state.seed,
             None,  # the first drawn position is on the device only
             len(plan.state.token_ids) - plan.state.num_prompt_tokens,
+            None
+            if draft_probs is None or plan.row.request.sampling_params.greedy
+            else draft_probs[index],
         )
         for index, plan in enumerate(plans)
     ]
+
+
+def draft_sampling(
+    plans: list[RowPlan], accepted: Accepted, vocab_size: int, device: torch.device
+) -> DraftSampling | None:
+    """How a resolved step's rows draft (None when every row is greedy): each row's next
+    drafts are for the positions after its new last token (``accepted.last_positions`` +
+    1)."""
+    params = [plan.row.request.sampling_params for plan in plans]
+    if all(p.greedy for p in params):
+        return None
+    seeds = to_device([plan.state.seed for plan in plans], torch.long, device)
+    return DraftSampling(
+        sampling_batch(params, seeds, vocab_size, device), accepted.last_positions + 2
+    )
 
 
 def launch_uniform_step(
@@ -87,12 +110,26 @@ def launch_uniform_step(
         query_len,
     )
     logits = runner.model.compute_logits(hidden)
-    sampling_rows = resolved_sampling_rows(plans, k)
+    sampled = not all(plan.row.request.sampling_params.greedy for plan in plans)
+    # A copy: the drafting below writes the slots' next q.
+    draft_probs = slots.draft_probs.index_select(0, slot_ids) if sampled else None
+    sampling_rows = resolved_sampling_rows(plans, k, draft_probs)
     # Each row draws from the position after its last known token (keyed randomness).
     sample = sample_step(sampling_rows, logits, rows.input_ids, positions=rows.start + 1)
     accepted = accept(slots, slot_ids, rows, sample.candidates, emitted=sample.num_emitted)
-    drafts = runner.proposer.propose_uniform(
-        hidden, sample.candidates, rows, metadata, accepted, tables, host_tables, k, slot_ids
+    drafts, probs = runner.proposer.propose_uniform(
+        hidden,
+        sample.candidates,
+        rows,
+        metadata,
+        accepted,
+        tables,
+        host_tables,
+        k,
+        slot_ids,
+        draft_sampling(plans, accepted, runner.arch.vocab_size, device),
     )
     slots.drafts.index_copy_(0, slot_ids, drafts)
+    if probs is not None:
+        slots.draft_probs.index_copy_(0, slot_ids, probs)
     return sample, sampling_rows
