@@ -153,21 +153,23 @@ def run_decode_bench(
     steady_state_requests: int = 0,
     steady_max_tokens: int = 256,
     oracle_corruptions: list[float] | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
     One engine per mode (``max_num_seqs = max(batch_sizes)``), warmed up once at the largest
     batch size. Batch size 1 runs ``num_questions`` MT-Bench first turns one after the other
     (``kind: questions``; 0: one ``fixed`` run of the first question); every other batch
-    size is one ``generate`` of that many first turns (``kind: fixed``); all greedy,
-    ``ignore_eos``, ``max_tokens`` each. With ``steady_state_requests`` > 0 each engine
-    then runs that many ShareGPT requests at once (``kind: steady``, at the largest batch
-    size; output lengths from the dataset, capped at ``steady_max_tokens``). On CUDA the
-    questions row profiles its first ``profile_questions`` (0: all). Each rate of
-    ``oracle_corruptions`` adds an ``mtp+overlap`` engine whose oracle proposer replays
-    plain decoding's outputs (recorded on the first mode without MTP, else on an engine
-    built for it) with that share of its drafts corrupted.
-    Returns ``{"config": ..., "runs": [...]}`` and writes it as
+    size is one ``generate`` of that many first turns (``kind: fixed``); all at
+    ``temperature`` and ``top_p`` (greedy by default), ``ignore_eos``, ``max_tokens`` each.
+    With ``steady_state_requests`` > 0 each engine then runs that many ShareGPT requests at
+    once (``kind: steady``, at the largest batch size; output lengths from the dataset,
+    capped at ``steady_max_tokens``). On CUDA the questions row profiles its first
+    ``profile_questions`` (0: all). Each rate of ``oracle_corruptions`` adds an
+    ``mtp+overlap`` engine whose oracle proposer replays plain decoding's outputs (recorded
+    on the first mode without MTP, else on an engine built for it) with that share of its
+    drafts corrupted. Returns ``{"config": ..., "runs": [...]}`` and writes it as
     ``decode-<device>-<stamp>.json`` under ``out_dir`` when one is given.
     """
     import torch
@@ -189,7 +191,9 @@ def run_decode_bench(
     k = num_speculative_tokens
     rows = DecodeRows(
         batch_sizes,
-        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        SamplingParams(
+            temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True
+        ),
         device,
         num_questions,
         profile_questions,
@@ -216,6 +220,8 @@ def run_decode_bench(
         "steady_max_tokens": steady_max_tokens,
         "steady_batch_size": max(batch_sizes) if steady_state_requests else None,
         "oracle_corruptions": rates,
+        "temperature": temperature,
+        "top_p": top_p,
         "torch_version": torch.__version__,
     }
     if device.startswith("cuda") and torch.cuda.is_available():
@@ -310,6 +316,10 @@ def add_cli_arguments(parser) -> None:
         help="benchmark only: after the modes, mtp+overlap with drafts replayed from plain "
         "decoding's recorded outputs, this share of them corrupted (comma-separated rates)",
     )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's (0: greedy)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
@@ -333,5 +343,7 @@ def main_from_args(args) -> int:
         steady_state_requests=args.steady_state_requests,
         steady_max_tokens=args.steady_max_tokens,
         oracle_corruptions=parse_rates(args.oracle_corruption),
+        temperature=args.temperature,
+        top_p=args.top_p,
     )
     return 0

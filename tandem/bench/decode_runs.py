@@ -12,6 +12,7 @@ Every request is greedy with EOS ignored. :mod:`tandem.bench.decode` puts them t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -238,16 +239,17 @@ def steady_run(
     k: int | None,
     max_tokens: int,
     recordings: dict | None = None,
+    sampling: Any = None,
 ) -> dict:
     """Every request submitted at once to ``llm`` (whose ``max_num_seqs`` is
     ``batch_size``), each with its own output length as ``max_tokens`` (``kind: steady``;
-    ``max_tokens`` is the cap the lengths were held to, reported)."""
+    ``max_tokens`` is the cap the lengths were held to, reported); ``sampling``: the
+    SamplingParams whose temperature and top-p they take (greedy when None)."""
     from tandem import SamplingParams
 
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
-    params = [
-        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in requests
-    ]
+    base = sampling if sampling is not None else SamplingParams(temperature=0.0)
+    params = [dataclasses.replace(base, ignore_eos=True, max_tokens=r.output_len) for r in requests]
     tally = [0, 0]
     before = llm.get_metrics()
     seconds, tokens = _timed(llm, prompts, params, recordings, tally)
@@ -304,5 +306,11 @@ class DecodeRows:
                 yield fixed_run(llm, batch_size, params, k, device, recordings)
         if self.steady:
             yield steady_run(
-                llm, self.steady, max(self.batch_sizes), k, self.steady_max_tokens, recordings
+                llm,
+                self.steady,
+                max(self.batch_sizes),
+                k,
+                self.steady_max_tokens,
+                recordings,
+                self.params,
             )

@@ -27,6 +27,7 @@ from tandem.models.tensor_parallel import (
 )
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
 from tandem.worker.input_batch import StepInputs
+from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
 from tandem.worker.spec_decode.oracle_proposer import OracleProposer
 from tandem.worker.spec_decode.proposer import MTPProposer
@@ -185,7 +186,8 @@ class ModelRunner:
     @on_runner_device
     def profile_peak_bytes(self) -> int:
         """Device memory a full step needs beyond the weights: a dry run of the largest
-        prefill (``max_num_batched_tokens`` tokens) and its logits, measured on CUDA."""
+        prefill (``max_num_batched_tokens`` tokens) and its logits, measured on CUDA, and
+        with an MTP head the requests' device slots (``RequestSlots``)."""
         tokens = self.config.scheduler.max_num_batched_tokens
         blocks = -(-tokens // self.block_size)
         torch.cuda.synchronize(self.device)
@@ -220,6 +222,10 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del caches, hidden
         torch.cuda.empty_cache()
+        if self.proposer is not None:  # the step pipeline's device slots, allocated later
+            k = self.config.speculative.num_speculative_tokens
+            capacity = RequestSlots.initial_capacity(self.config.scheduler.max_num_seqs)
+            peak += RequestSlots.storage_bytes(k, self.arch.vocab_size, capacity)
         return peak
 
     @torch.inference_mode()

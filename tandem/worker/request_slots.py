@@ -38,6 +38,16 @@ class RequestSlots:
         self._free = list(range(capacity - 1, 0, -1))
         self.generation = 0
 
+    @staticmethod
+    def initial_capacity(max_num_seqs: int) -> int:
+        """Slots for every running request, the ones ending and the scratch slot."""
+        return 2 * max_num_seqs + 2
+
+    @staticmethod
+    def storage_bytes(num_drafts: int, vocab_size: int, capacity: int) -> int:
+        """The device bytes of ``capacity`` slots (the drafts' distributions dominate)."""
+        return capacity * (8 * (2 + num_drafts) + 4 * num_drafts * vocab_size)
+
     @property
     def capacity(self) -> int:
         return self.next_start.shape[0]

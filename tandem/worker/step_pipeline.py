@@ -75,7 +75,7 @@ class StepPipeline:
         num_drafts = runner.config.speculative.num_speculative_tokens
         slots = None
         if runner.proposer is not None:  # room for every running request and the ones ending
-            capacity = 2 * runner.config.scheduler.max_num_seqs + 2
+            capacity = RequestSlots.initial_capacity(runner.config.scheduler.max_num_seqs)
             slots = RequestSlots(num_drafts, runner.arch.vocab_size, runner.device, capacity)
         # Every rank seeds alike, so all sample the same tokens from the same full logits.
         self.batch = InputBatch(

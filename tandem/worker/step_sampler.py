@@ -24,6 +24,7 @@ from tandem.layers.sampler import (
 )
 from tandem.sampling_params import SamplingParams
 from tandem.worker.spec_decode.verification import (
+    RejectionLayout,
     rejection_randoms,
     rejection_verify_batch,
     row_starts,
@@ -233,6 +234,17 @@ def sample_step(
         candidates.index_copy_(0, logits_rows, tokens)
         num_emitted.index_copy_(0, index, accepted + 1)
 
+    return with_logprobs(rows, logits, candidates, num_emitted)
+
+
+def with_logprobs(
+    rows: list[SamplingRow],
+    logits: torch.Tensor,
+    candidates: torch.Tensor,
+    num_emitted: torch.Tensor,
+) -> StepSample:
+    """The step's sample, with the logprobs of every candidate of the rows that asked for
+    them (from the target's raw ``logits``)."""
     logprob_rows = [
         row.logits_start + j
         for row in rows
@@ -241,12 +253,55 @@ def sample_step(
     ]
     logprobs = None
     if logprob_rows:
-        index = to_device(logprob_rows, torch.long, device)
+        index = to_device(logprob_rows, torch.long, logits.device)
         num_top = max(r.params.logprobs for r in rows if r.params.logprobs is not None)
         logprobs = compute_logprobs(
             logits.index_select(0, index), candidates.index_select(0, index), num_top
         )
     return StepSample(candidates, num_emitted, logprob_rows, logprobs)
+
+
+def sample_uniform(
+    logits: torch.Tensor,
+    row_tokens: torch.Tensor,
+    batch: SamplingBatch,
+    draft_probs: torch.Tensor,
+    first_positions: torch.Tensor,
+    layout: RejectionLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_step`` for a uniform step with no host value and no end-token ban (a CUDA
+    graph records it): R rows of k drafts each, row b's logits at ``b * (k + 1)``, every row
+    verified both ways and each keeping its own (``batch.greedy``). ``draft_probs``
+    [R, k, V] are the drafts' distributions (read only on sampled rows), ``layout`` is
+    ``RejectionLayout.of([k] * R)``. Returns (candidates [R * (k + 1)], emitted counts
+    [R]): on every row what ``sample_step`` gives it (filters and random numbers are per
+    row)."""
+    num_rows, k = draft_probs.shape[0], draft_probs.shape[1]
+    query_len = k + 1
+    argmax = logits.argmax(dim=-1)
+    tokens = row_tokens.view(num_rows, query_len)
+    agree = argmax.view(num_rows, query_len)[:, :k] == tokens[:, 1:]
+    greedy_accepted = agree.long().cumprod(dim=1).sum(dim=1)
+    per_row = SamplingBatch(
+        *(
+            None if t is None else t.repeat_interleave(query_len)
+            for t in (batch.temperature, batch.greedy, batch.top_k, batch.top_p, batch.min_p)
+        ),
+        seeds=None,
+        all_greedy=False,
+    )
+    target_probs = apply_filters(logits, per_row)
+    # The draft checked at each row is the next row's input (unused at the bonus row).
+    next_row = torch.arange(1, query_len + 1, device=logits.device).clamp_(max=k)
+    draft_tokens = tokens[:, next_row].reshape(-1)
+    flat_probs = torch.cat([draft_probs, draft_probs.new_zeros((num_rows, 1, logits.shape[-1]))], 1)
+    uniforms, noise = rejection_randoms(batch.seeds, first_positions, layout, logits.shape[-1])
+    accepted, sampled = rejection_verify_batch(
+        target_probs, flat_probs.view(-1, logits.shape[-1]), draft_tokens, layout, uniforms, noise
+    )
+    candidates = torch.where(per_row.greedy, argmax, sampled)
+    emitted = torch.where(batch.greedy, greedy_accepted, accepted) + 1
+    return candidates, emitted
 
 
 def _host_positions(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """On the GPU: the engine with CUDA graphs (the default on CUDA) is exact.
 
 fp32 greedy outputs match Hugging Face transformers' (the tie rule, logprobs within 1e-4)
-and the eager engine's, plain and with MTP; the decode steps really ran as graph replays.
+and the eager engine's, plain and with MTP; seeded sampled MTP rows draw the eager
+engine's tokens; the decode steps really ran as graph replays.
 TANDEM_MODEL names the model file where the default package is not installed.
 """
 
@@ -30,7 +31,7 @@ def _model() -> str:
     return os.environ.get("TANDEM_MODEL") or default_model_path()
 
 
-def _run(engine: dict, device: str = "cuda", **options):
+def _run(engine: dict, device: str = "cuda", params=None, **options):
     from tandem import LLM
 
     llm = LLM(
@@ -42,11 +43,14 @@ def _run(engine: dict, device: str = "cuda", **options):
     ][:16]
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2),
+        params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2),
         use_tqdm=False,
     )
-    graphs = llm.engine.runner.graphs
+    # Target forwards replayed alone, and whole resolved MTP steps.
+    graphs, mtp = llm.engine.runner.graphs, llm.engine.pipeline.mtp
     replays = graphs.num_replays if graphs is not None else 0
+    if mtp is not None and mtp.step_graphs is not None:
+        replays += mtp.step_graphs.num_replays
     proposer = llm.engine.runner.proposer
     drafting = {
         "draft_replays": proposer.graphs.num_replays
@@ -83,6 +87,32 @@ def test_graphs_match_eager_and_hf_on_cuda(engine):
     problems, ties = tie_rule_mismatches(graphed, references)
     assert not problems, problems
     assert ties <= 2
+
+
+@pytest.mark.gpu
+def test_sampled_step_graphs_draw_what_the_eager_steps_draw_on_cuda():
+    """fp32, MTP k=3, seeded sampled rows (top-p and not) beside greedy ones, with
+    logprobs: the resolved steps' graphs (the sampled families) emit the eager engine's
+    tokens, with its logprobs within 1e-4."""
+    params = [
+        SamplingParams(
+            temperature=[0.0, 0.8, 1.1][i % 3],
+            top_p=0.9 if i % 2 else 1.0,
+            seed=i,
+            max_tokens=MAX_TOKENS,
+            logprobs=2,
+        )
+        for i in range(16)
+    ]
+    _, graphed, replays, _, _ = _run(ENGINES["mtp"], params=params)
+    _, eager, eager_replays, _, _ = _run(ENGINES["mtp"], params=params, enforce_eager=True)
+    assert replays >= MAX_TOKENS // 4 and eager_replays == 0
+    for got, want in zip(graphed, eager, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        pairs = zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True)
+        for got_entry, want_entry in pairs:
+            for token, entry in want_entry.items():
+                assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
 
 
 @pytest.mark.gpu

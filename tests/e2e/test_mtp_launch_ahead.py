@@ -234,10 +234,12 @@ def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompt
 
 
 def test_the_whole_step_graph_function_equals_the_eager_resolved_step(make_llm):
-    """The function each resolved-step graph records (verification, slot update and
+    """The functions the resolved-step graphs record (verification, slot update and
     drafting in one pass over static buffers, padding rows on the scratch slot and block),
-    run eagerly with Triton's interpreter: the same tokens as the eager resolved step and
-    as decoding without MTP, on a tiny model whose random head drafts and gets rejected."""
+    run eagerly with Triton's interpreter: greedy rows get the eager resolved step's tokens
+    and those of decoding without MTP; sampled rows (with greedy ones and logprobs) the
+    eager resolved step's tokens and logprobs, on a tiny model whose random head drafts and
+    gets rejected."""
     from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs
 
     engine = {"model": "dummy:tiny", "attention_backend": "triton", "max_num_seqs": 4}
@@ -260,7 +262,34 @@ def test_the_whole_step_graph_function_equals_the_eager_resolved_step(make_llm):
     mtp.step_graphs = ResolvedStepGraphs(graphed.engine.runner, mtp.slots, 4)
     calls = []
     run = mtp.step_graphs.run
-    mtp.step_graphs.run = lambda *args: calls.append(len(args[0])) or run(*args)
-    got = graphed.generate(prompts, params, use_tqdm=False)
-    assert calls and max(calls) == 3  # three rows, padded to a batch of 4
-    assert _tokens(got) == _tokens(want) == _tokens(plain)
+    mtp.step_graphs.run = lambda *args: calls.append((len(args[0]), args[2])) or run(*args)
+    try:
+        got = graphed.generate(prompts, params, use_tqdm=False)
+        assert calls and max(calls) == (3, "greedy")  # three rows, padded to a batch of 4
+        assert _tokens(got) == _tokens(want) == _tokens(plain)
+        # Sampled rows (top-p, and not), a greedy row, logprobs: the sampled family draws
+        # what the eager resolved step draws, with the same logprobs.
+        mixed = [
+            SamplingParams(
+                temperature=0.9, top_p=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=3
+            ),
+            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
+            SamplingParams(temperature=1.2, seed=5, max_tokens=12, ignore_eos=True),
+        ]
+        want = eager.generate(prompts, mixed, use_tqdm=False)
+        calls.clear()
+        got = graphed.generate(prompts, mixed, use_tqdm=False)
+    finally:
+        mtp.step_graphs = None
+    assert (3, "sampled_top_p") in calls
+    assert _tokens(got) == _tokens(want)
+    for got_output, want_output in zip(got[:2], want[:2], strict=True):
+        got_logprobs, want_logprobs = (
+            got_output.outputs[0].logprobs,
+            want_output.outputs[0].logprobs,
+        )
+        for got_entry, want_entry in zip(got_logprobs, want_logprobs, strict=True):
+            assert got_entry.keys() == want_entry.keys()
+            for token, entry in want_entry.items():
+                assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
+                assert got_entry[token].rank == entry.rank

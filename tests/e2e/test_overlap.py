@@ -292,9 +292,10 @@ def test_plain_decoding_queues_the_next_step_before_reading(make_llm, prompts, m
 def test_no_hidden_synchronization_on_cuda(sampling):
     """On the GPU, torch's sync debug mode turns any implicit synchronization (a blocking
     copy, .item(), a data-dependent shape) into an error; only the DeviceReader's explicit
-    stream wait remains: with greedy and sampled rows (steps that read first) and with
-    greedy rows alone (MTP steps resolved on the device and launched ahead). TANDEM_MODEL
-    names the model file where the default package is not installed."""
+    stream wait remains: with greedy and sampled rows and with greedy rows alone, all with
+    logprobs (MTP steps resolved on the device, launched ahead and replayed as the sampled
+    family of step graphs). TANDEM_MODEL names the model file where the default package is
+    not installed."""
     from tandem import LLM
 
     llm = LLM(
@@ -325,6 +326,7 @@ def test_no_hidden_synchronization_on_cuda(sampling):
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: allocations, pinning
     resolved_before = llm.engine.pipeline.num_resolved_steps
     pipeline = llm.engine.pipeline
+    replays_before = pipeline.mtp.step_graphs.num_replays
     calls = []
 
     def strict(method):
@@ -347,8 +349,8 @@ def test_no_hidden_synchronization_on_cuda(sampling):
         llm.engine.shutdown()
     # The strict mode was on for every step (14 with these prompts on the H200).
     assert len(calls) >= 8 and set(calls) == {"step_ahead"}
-    if sampling == "greedy":
-        assert llm.engine.pipeline.num_resolved_steps > resolved_before
+    assert pipeline.num_resolved_steps > resolved_before
+    assert pipeline.mtp.step_graphs.num_replays > replays_before
 
 
 @pytest.mark.gpu

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from tandem.layers.sampler import apply_filters
+from tandem.layers.sampler import SamplingBatch, apply_filters
 from tandem.sampling_params import SamplingParams
-from tandem.worker.spec_decode.verification import rejection_verify
-from tandem.worker.step_sampler import SamplingRow, sample_step, sampling_batch
+from tandem.worker.spec_decode.verification import RejectionLayout, rejection_verify
+from tandem.worker.step_sampler import SamplingRow, sample_step, sample_uniform, sampling_batch
 
 VOCAB = 64
 POSITION = 30  # first drawn positions are POSITION + seed % 5
@@ -121,3 +121,50 @@ def test_sample_step_reads_nothing_back_to_the_host(monkeypatch):
     for (num_emitted, candidates), row in zip(expected, rows, strict=True):
         span = slice(row.logits_start, row.logits_start + row.num_drafts + 1)
         assert torch.equal(result.candidates[span][:num_emitted], candidates[:num_emitted])
+
+
+def test_uniform_sampling_equals_sample_step_on_every_row():
+    """``sample_uniform`` (what a resolved-step graph records: every row verified both
+    ways, all filters present, no host value) gives each row what ``sample_step`` gives it,
+    for greedy rows and sampled rows with every kind of filter, drafts the target likes
+    (long accepted runs) and drafts it does not."""
+    generator = torch.Generator().manual_seed(11)
+    k = 3
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.05, top_k=9, top_p=0.9),
+        SamplingParams(temperature=0.0),
+    ]
+    requests = [
+        _request(generator, k, params, 100 + 17 * i, with_draft_probs=not params.greedy)
+        for i, params in enumerate(kinds * 3)
+    ]
+    rows, logits, tokens = _rows(requests)
+    want = sample_step(rows, logits, tokens)
+    seeds = torch.tensor([seed for _, seed, _, _, _ in requests])
+    batch = sampling_batch([r[0] for r in requests], seeds, VOCAB, torch.device("cpu"))
+    batch = SamplingBatch(  # every filter present, as a graph's static buffers hold them
+        batch.temperature,
+        batch.greedy,
+        torch.tensor([p.top_k if p.top_k > 0 else VOCAB for p, *_ in requests]),
+        torch.tensor([p.top_p for p, *_ in requests]),
+        torch.tensor([p.min_p for p, *_ in requests]),
+        seeds,
+        all_greedy=False,
+    )
+    draft_probs = torch.stack(
+        [q if q is not None else torch.rand((k, VOCAB)) for *_, q in requests]
+    )  # greedy rows' q is never read: noise there
+    first_positions = torch.tensor([_position(seed) for _, seed, _, _, _ in requests])
+    layout = RejectionLayout.of([k] * len(requests), torch.device("cpu"))
+    candidates, emitted = sample_uniform(
+        logits, tokens, batch, draft_probs, first_positions, layout
+    )
+    assert torch.equal(emitted, want.num_emitted)
+    for row, count in zip(rows, emitted.tolist(), strict=True):
+        span = slice(row.logits_start, row.logits_start + count)
+        assert torch.equal(candidates[span], want.candidates[span])
+    assert set(want.num_emitted.tolist()) > {1}  # some drafts accepted, some rejected

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from tandem.layers.sampler import LogprobsTensors
 from tandem.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.worker.input_batch import InputBatch, RequestState, RowPlan, StepInputs
 from tandem.worker.model_runner import ModelRunner, on_runner_device
 from tandem.worker.spec_decode.proposer import ProposalRow
-from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs
+from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs, graph_family
 from tandem.worker.spec_decode.uniform_step import (
     launch_uniform_step,
     resolved_length_bound,
@@ -31,7 +32,7 @@ class MTPSteps:
         bind_batch = getattr(runner.proposer, "bind_batch", None)
         if bind_batch is not None:  # a proposer that reads the requests' states (the oracle)
             bind_batch(batch)
-        # Whole resolved steps as CUDA graphs (greedy rows without logprobs).
+        # Whole resolved steps as CUDA graphs (families: step_graphs.graph_family).
         self.step_graphs: ResolvedStepGraphs | None = None
         if runner.uses_cuda_graphs:
             self.step_graphs = ResolvedStepGraphs(
@@ -87,22 +88,29 @@ class MTPSteps:
             for index, row in enumerate(step.scheduled)
         ]
         graphs = self.step_graphs
-        if (
-            graphs is not None
-            and graphs.padded_size(len(plans)) is not None
-            and all(
-                plan.row.request.sampling_params.greedy
-                and plan.row.request.sampling_params.logprobs is None
-                for plan in plans
-            )
-        ):
-            candidates, emitted = graphs.run(
-                [plan.state.slot for plan in plans], [plan.row.block_ids for plan in plans]
-            )
-            sampling_rows = resolved_sampling_rows(plans, query_len - 1)
+        params = [plan.row.request.sampling_params for plan in plans]
+        family = graph_family(params, self.runner.arch.vocab_size)
+        if graphs is None or family is None or graphs.padded_size(len(plans)) is None:
+            sample, sampling_rows = launch_uniform_step(self.runner, self.slots, plans)
+            return plans, sample, sampling_rows
+        outputs = graphs.run(
+            [plan.state.slot for plan in plans],
+            [plan.row.block_ids for plan in plans],
+            family,
+            params,
+            [plan.state.seed for plan in plans],
+        )
+        sampling_rows = resolved_sampling_rows(plans, query_len - 1)
+        candidates, emitted = outputs[0], outputs[1]
+        if not any(p.logprobs is not None for p in params):
             return plans, StepSample(candidates, emitted, [], None), sampling_rows
-        sample, sampling_rows = launch_uniform_step(self.runner, self.slots, plans)
-        return plans, sample, sampling_rows
+        # Every candidate's logprobs (the API's largest top-N; each row reports its own N).
+        logprobs = LogprobsTensors(*outputs[2:])
+        return (
+            plans,
+            StepSample(candidates, emitted, list(range(len(candidates))), logprobs),
+            sampling_rows,
+        )
 
     def after_resolved_read(self, plans: list[RowPlan], output: ModelRunnerOutput) -> None:
         """A resolved step was read: each request's drafts for its next step are in its

@@ -1,16 +1,22 @@
 """CUDA graphs of whole resolved MTP steps: one graph per padded batch size replays the
-target's verification forward, greedy verification, the slots' update and the MTP head's
-drafting, so a resolved step costs the host two small copies and one replay instead of
+target's verification forward, the verification, the slots' update and the MTP head's
+drafting, so a resolved step costs the host a few small copies and one replay instead of
 hundreds of launches.
 
-The graph reads two static buffers that the host fills each step with non-blocking copies:
-the rows' slot ids and block tables. Everything else comes from the device slots
-(``RequestSlots``) and is computed on the device, as in ``uniform_step``. Padding rows name
-the slots' scratch slot, whose state is reset at the start of every step, and a block table
-of the scratch block only: they write nothing any request owns, and their outputs are
-dropped. Greedy rows without logprobs only (the others take the eager resolved step). On the
-CPU (tests) ``run`` computes the same step eagerly from the same buffers, with Triton's
-interpreter.
+The graph reads static buffers that the host fills each step with non-blocking copies: the
+rows' slot ids and block tables, and for sampled batches the rows' sampling parameters and
+key seeds. Everything else comes from the device slots (``RequestSlots``) and is computed on
+the device, as in ``uniform_step``. Padding rows name the slots' scratch slot, whose state
+is reset at the start of every step, and a block table of the scratch block only: they write
+nothing any request owns, and their outputs are dropped.
+
+Three families of graphs: ``greedy`` (greedy rows without logprobs: argmax verification);
+``sampled`` and ``sampled_top_p`` (any mix of greedy and sampled rows, with or without
+logprobs: every row verified both ways by ``sample_uniform``, rejection sampling against the
+drafts' q kept in the slots, the head's drafts sampled with each row's own parameters, and
+the logprobs of every candidate with the API's largest top-N). Filters a family does not
+hold (top-k) take the eager resolved step. On the CPU (tests) ``run`` computes the same
+step eagerly from the same buffers, with Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -20,12 +26,30 @@ from functools import partial
 import torch
 
 from tandem.device_copy import copy_to
+from tandem.layers.sampler import SamplingBatch, compute_logprobs
 from tandem.layers.triton_attention import TritonAttentionMetadata, block_table_array
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
 from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch_sizes
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_graphs import draft_chain
+from tandem.worker.spec_decode.draft_sampling import DraftSampling
 from tandem.worker.spec_decode.slot_rows import accept, verify_rows
+from tandem.worker.spec_decode.verification import RejectionLayout
+from tandem.worker.step_sampler import sample_uniform
+
+FAMILIES = ("greedy", "sampled", "sampled_top_p")
+
+
+def graph_family(params: list[SamplingParams], vocab_size: int) -> str | None:
+    """The family of graphs that runs a resolved step of rows with these parameters (None:
+    the eager resolved step)."""
+    if all(p.greedy and p.logprobs is None for p in params):
+        return "greedy"
+    sampled = [p for p in params if not p.greedy]
+    if any(0 < p.top_k < vocab_size for p in sampled):
+        return None
+    return "sampled_top_p" if any(p.top_p < 1.0 for p in sampled) else "sampled"
 
 
 class ResolvedStepGraphs:
@@ -48,7 +72,16 @@ class ResolvedStepGraphs:
         self.query_starts = torch.arange(
             0, (max_num_seqs + 1) * self.query_len, self.query_len, dtype=torch.int32, device=device
         )
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # The sampled families' parameters (padding rows: greedy, temperature 1).
+        self.temperature = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(max_num_seqs, dtype=torch.bool, device=device)
+        self.top_p = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.layouts = {
+            size: RejectionLayout.of([self.num_drafts] * size, device) for size in self.batch_sizes
+        }
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.num_replays = 0
 
     def padded_size(self, num_rows: int) -> int | None:
@@ -58,13 +91,12 @@ class ResolvedStepGraphs:
             return None
         return next((size for size in self.batch_sizes if size >= num_rows), None)
 
-    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The resolved step of the first ``size`` rows of the static buffers: candidates
-        [size * (k + 1)] and emitted counts [size] (the slots are updated in place)."""
-        runner, slots = self.runner, self.slots
-        q = self.query_len
+    def _verify(self, size: int):
+        """The first ``size`` rows' verification rows, attention metadata and the target's
+        hidden states and logits."""
+        runner, q = self.runner, self.query_len
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
-        rows = verify_rows(slots, slot_ids, tables, runner.block_size, self.scratch_block)
+        rows = verify_rows(self.slots, slot_ids, tables, runner.block_size, self.scratch_block)
         metadata = TritonAttentionMetadata(
             slot_mapping=rows.slot_mapping,
             max_query_len=q,
@@ -76,11 +108,59 @@ class ResolvedStepGraphs:
         hidden = runner.model(
             rows.input_ids, rows.positions, runner.kv_caches, metadata, runner.backend
         )
-        candidates = runner.model.compute_logits(hidden).argmax(dim=-1)
-        accepted = accept(slots, slot_ids, rows, candidates)
+        return rows, metadata, hidden, runner.model.compute_logits(hidden)
+
+    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy resolved step of the first ``size`` rows of the static buffers:
+        candidates [size * (k + 1)] and emitted counts [size] (the slots are updated in
+        place)."""
+        slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
+        rows, metadata, hidden, logits = self._verify(size)
+        candidates = logits.argmax(dim=-1)
+        accepted = accept(self.slots, slot_ids, rows, candidates)
         drafts = self._draft(hidden, candidates, rows, metadata, accepted, tables, slot_ids)
-        slots.drafts.index_copy_(0, slot_ids, drafts)
+        self.slots.drafts.index_copy_(0, slot_ids, drafts)
         return candidates, accepted.emitted
+
+    def _sampled_step(self, size: int, top_p: bool) -> tuple[torch.Tensor, ...]:
+        """The resolved step of the first ``size`` rows with their sampling parameters
+        (``sample_uniform``; top-p only in the ``top_p`` family): candidates, emitted
+        counts, and the four logprobs tensors of every candidate (top ``MAX_LOGPROBS``)."""
+        slots, k = self.slots, self.num_drafts
+        slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
+        rows, metadata, hidden, logits = self._verify(size)
+        batch = SamplingBatch(
+            self.temperature[:size],
+            self.greedy[:size],
+            None,
+            self.top_p[:size] if top_p else None,
+            self.min_p[:size],
+            self.seeds[:size],
+            all_greedy=False,
+        )
+        draft_probs = slots.draft_probs.index_select(0, slot_ids)
+        candidates, emitted = sample_uniform(
+            logits, rows.input_ids, batch, draft_probs, rows.start + 1, self.layouts[size]
+        )
+        accepted = accept(slots, slot_ids, rows, candidates, emitted=emitted)
+        drafts, probs = self.runner.proposer.propose_uniform(
+            hidden,
+            candidates,
+            rows,
+            metadata,
+            accepted,
+            tables,
+            [],
+            k,
+            slot_ids,
+            DraftSampling(batch, accepted.last_positions + 2),
+        )
+        if probs is None:  # drafts without a distribution (the oracle's): q is one-hot
+            probs = torch.nn.functional.one_hot(drafts, logits.shape[-1]).float()
+        slots.drafts.index_copy_(0, slot_ids, drafts)
+        slots.draft_probs.index_copy_(0, slot_ids, probs)
+        logprobs = compute_logprobs(logits, candidates, MAX_LOGPROBS)
+        return (candidates, emitted, *logprobs.tensors())
 
     def _draft(
         self, hidden, candidates, rows, metadata, accepted, tables, slot_ids
@@ -124,32 +204,63 @@ class ResolvedStepGraphs:
             block_table_array(block_tables, width, size, pad_block=self.scratch_block),
         )
 
+    def _fill_sampling(self, params: list[SamplingParams], seeds: list[int], size: int) -> None:
+        """The rows' sampling parameters and key seeds into the static buffers (padding
+        rows greedy)."""
+        pad = size - len(params)
+        copy_to(
+            self.temperature[:size],
+            [1.0 if p.greedy else p.temperature for p in params] + [1.0] * pad,
+        )
+        copy_to(self.greedy[:size], [p.greedy for p in params] + [True] * pad)
+        copy_to(self.top_p[:size], [p.top_p for p in params] + [1.0] * pad)
+        copy_to(self.min_p[:size], [p.min_p for p in params] + [0.0] * pad)
+        copy_to(self.seeds[:size], list(seeds) + [0] * pad)
+
+    def _function(self, family: str, size: int):
+        if family == "greedy":
+            return partial(self._step, size)
+        return partial(self._sampled_step, size, family == "sampled_top_p")
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per padded batch size (largest first, one memory pool)."""
+        """Capture one graph per family and padded batch size (largest first, one memory
+        pool)."""
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(self.runner.device)
-        for size in reversed(self.batch_sizes):
-            self._fill([], [], size)
-            self.graphs[size] = capture_graph(partial(self._step, size), pool, stream)
+        for family in FAMILIES:
+            for size in reversed(self.batch_sizes):
+                self._fill([], [], size)
+                self._fill_sampling([], [], size)
+                function = self._function(family, size)
+                self.graphs[family, size] = capture_graph(function, pool, stream)
         torch.cuda.synchronize()
 
     def run(
-        self, slot_ids: list[int], block_tables: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The resolved step of these rows (their slots and block tables): candidates
-        [rows * (k + 1)] and emitted counts [rows], views of static buffers valid until the
-        next replay (copies queued behind the replay read them in time). The host never
-        waits here."""
+        self,
+        slot_ids: list[int],
+        block_tables: list[list[int]],
+        family: str = "greedy",
+        params: list[SamplingParams] | None = None,
+        seeds: list[int] | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The resolved step of these rows (their slots and block tables, and for a sampled
+        ``family`` their sampling ``params`` and key ``seeds``): candidates [rows * (k + 1)]
+        and emitted counts [rows], then for a sampled family the four logprobs tensors of
+        every candidate; views of static buffers valid until the next replay (copies
+        queued behind the replay read them in time). The host never waits here."""
         rows = len(slot_ids)
         size = self.padded_size(rows)
         if size is None:
             raise ValueError(f"{rows} rows: more than the largest step graph")
         self._fill(slot_ids, block_tables, size)
+        if family != "greedy":
+            self._fill_sampling(params, seeds, size)
         if not self.graphs:  # not captured (the CPU): the same step, eagerly
-            candidates, emitted = self._step(size)
+            outputs = self._function(family, size)()
         else:
-            graph, (candidates, emitted) = self.graphs[size]
+            graph, outputs = self.graphs[family, size]
             graph.replay()
             self.num_replays += 1
-        return candidates[: rows * self.query_len], emitted[:rows]
+        num_logits = rows * self.query_len
+        return (outputs[0][:num_logits], outputs[1][:rows], *(t[:num_logits] for t in outputs[2:]))

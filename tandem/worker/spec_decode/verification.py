@@ -12,6 +12,8 @@ noise at t + i, the same numbers that a plain sample at t + i uses."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.device_copy import to_device
@@ -65,23 +67,68 @@ def rejection_verify(
     return accepted, candidates
 
 
+@dataclass
+class RejectionLayout:
+    """The flat layout of R requests' rows in :func:`rejection_verify_batch` (request i
+    owns k_i + 1 consecutive rows), as device tensors built once from the host's counts:
+    a CUDA graph's replay reuses them (``RejectionLayout.of`` reads no device value)."""
+
+    max_drafts: int
+    owner: torch.Tensor  # [T] long: the request of each row
+    offset: torch.Tensor  # [T] long: the row's index within its request
+    is_bonus: torch.Tensor  # [T] bool: the request's last row
+    padded: torch.Tensor  # [R, max k] long: row of draft j (clamped to the request's last)
+    valid: torch.Tensor  # [R, max k] bool: j < k_i
+
+    @staticmethod
+    def of(num_drafts: list[int], device) -> RejectionLayout:
+        """The layout of requests with ``num_drafts`` drafts each."""
+        max_drafts = max(num_drafts, default=0)
+        starts = row_starts(num_drafts)
+        padded = [
+            [start + min(j, k) for j in range(max_drafts)]
+            for start, k in zip(starts[:-1], num_drafts, strict=True)
+        ]
+        return RejectionLayout(
+            max_drafts,
+            to_device(
+                [i for i, k in enumerate(num_drafts) for _ in range(k + 1)], torch.long, device
+            ),
+            to_device([j for k in num_drafts for j in range(k + 1)], torch.long, device),
+            to_device([j == k for k in num_drafts for j in range(k + 1)], torch.bool, device),
+            to_device(padded, torch.long, device).view(len(num_drafts), max_drafts),
+            to_device(
+                [[j < k for j in range(max_drafts)] for k in num_drafts], torch.bool, device
+            ).view(len(num_drafts), max_drafts),
+        )
+
+
+def _layout(num_drafts: list[int] | RejectionLayout, device) -> RejectionLayout:
+    return (
+        num_drafts
+        if isinstance(num_drafts, RejectionLayout)
+        else RejectionLayout.of(num_drafts, device)
+    )
+
+
 def rejection_randoms(
-    seeds: torch.Tensor, first_positions: torch.Tensor, num_drafts: list[int], vocab_size: int
+    seeds: torch.Tensor,
+    first_positions: torch.Tensor,
+    num_drafts: list[int] | RejectionLayout,
+    vocab_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The random numbers of :func:`rejection_verify_batch` for R requests, keyed by each
     one's seed ``seeds`` [R] and the position of its first draft ``first_positions`` [R]
     (long, on the device): uniforms [R, max k] fp64 (row i uses its first k_i) and
     exponential noise [sum(k_i + 1), race_width(V)] (k_i + 1 rows per request). Each request gets
-    exactly what :func:`rejection_verify` draws for it, alone or in any batch."""
+    exactly what :func:`rejection_verify` draws for it, alone or in any batch. ``num_drafts``:
+    each request's k_i, or their layout."""
     device = seeds.device
-    max_drafts = max(num_drafts, default=0)
-    owner = to_device(
-        [i for i, k in enumerate(num_drafts) for _ in range(k + 1)], torch.long, device
-    )
-    offset = to_device([j for k in num_drafts for j in range(k + 1)], torch.long, device)
+    layout = _layout(num_drafts, device)
+    max_drafts, owner = layout.max_drafts, layout.owner
     noise = keyed_exponential(
         seeds.index_select(0, owner),
-        first_positions.index_select(0, owner) + offset,
+        first_positions.index_select(0, owner) + layout.offset,
         TOKEN,
         race_width(vocab_size),
     )
@@ -92,14 +139,14 @@ def rejection_randoms(
         ACCEPT,
         1,
     )
-    return uniforms.view(len(num_drafts), max_drafts), noise
+    return uniforms.view(seeds.shape[0], max_drafts), noise
 
 
 def rejection_verify_batch(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    num_drafts: list[int],
+    num_drafts: list[int] | RejectionLayout,
     uniforms: torch.Tensor,
     noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,36 +157,21 @@ def rejection_verify_batch(
     positions before each draft, then the bonus position. Per row: ``target_probs`` [T, V]
     the target's filtered distribution, ``draft_probs`` [T, V] the draft distribution and
     ``draft_tokens`` [T] the draft checked there (both ignored on bonus rows). Drafts past a
-    request's own k_i are never accepted. With the same random numbers, each request's
+    request's own k_i are never accepted. ``num_drafts``: each request's k_i, or their
+    layout. With the same random numbers, each request's
     count and k_i + 1 candidates equal :func:`rejection_verify`'s."""
-    device = target_probs.device
-    max_drafts = uniforms.shape[1]
-    starts = row_starts(num_drafts)
-    # Host-built maps of the flat layout (no device value is read).
-    padded = [
-        [start + min(j, k) for j in range(max_drafts)]
-        for start, k in zip(starts[:-1], num_drafts, strict=True)
-    ]
-    valid = [[j < k for j in range(max_drafts)] for k in num_drafts]
-    owner = [i for i, k in enumerate(num_drafts) for _ in range(k + 1)]
-    offset = [j for k in num_drafts for j in range(k + 1)]
-    is_bonus = [j == k for k in num_drafts for j in range(k + 1)]
-
+    # The flat layout's maps, built on the host (no device value is read).
+    layout = _layout(num_drafts, target_probs.device)
     index = draft_tokens[:, None]
     p = target_probs.gather(1, index).squeeze(1)
     q = draft_probs.gather(1, index).squeeze(1)
-    padded_index = to_device(padded, torch.long, device)
-    passes = (uniforms * q[padded_index] < p[padded_index]) & to_device(valid, torch.bool, device)
+    passes = (uniforms * q[layout.padded] < p[layout.padded]) & layout.valid
     accepted = passes.long().cumprod(dim=1).sum(dim=1)
     residual = (target_probs - draft_probs).clamp_min(0)
     # Bonus rows draw from p itself, as do rows where p == q leaves no residual mass.
-    from_target = (residual.sum(dim=-1, keepdim=True) <= 0) | to_device(
-        is_bonus, torch.bool, device
-    )[:, None]
+    from_target = (residual.sum(dim=-1, keepdim=True) <= 0) | layout.is_bonus[:, None]
     draws = race(torch.where(from_target, target_probs, residual), noise)
-    emits_draft = (
-        to_device(offset, torch.long, device) < accepted[to_device(owner, torch.long, device)]
-    )
+    emits_draft = layout.offset < accepted[layout.owner]
     return accepted, torch.where(emits_draft, draft_tokens, draws)
 
 
