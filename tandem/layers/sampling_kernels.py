@@ -82,13 +82,14 @@ def filter_threshold(
     one of top-k and top-p, 256 rows take 2.22 / 2.67 ms against the sort's 2.42 / 3.44;
     64 rows (too few programs to fill the GPU) 1.44 / 1.76 ms against 0.66 / 1.12, and both
     filters together need two searches (4.71 ms against 3.35 at 256 rows). So by default
-    the kernel runs on CUDA for 256 rows or more with one of the two."""
+    the kernel runs on CUDA for 256 rows or more with exactly one of the two (min-p alone
+    is a row maximum: no search, no sort)."""
     if use_triton is None:
         use_triton = (
             triton is not None
             and probs.is_cuda
             and probs.shape[0] >= _MIN_ROWS
-            and (top_k is None or top_p is None)
+            and (top_k is None) != (top_p is None)
         )
     if not use_triton:
         return filter_threshold_reference(probs, top_k, top_p, min_p)

@@ -53,9 +53,11 @@ def _run(engine: dict, device: str = "cuda", params=None, **options):
         replays += mtp.step_graphs.num_replays
     proposer = llm.engine.runner.proposer
     drafting = {
-        "draft_replays": proposer.graphs.num_replays
-        if proposer is not None and proposer.graphs is not None
-        else 0,
+        # Later draft depths replay alone (after a ragged step) or inside a resolved step.
+        "draft_replays": (
+            proposer.graphs.num_replays if proposer is not None and proposer.graphs else 0
+        )
+        + (mtp.step_graphs.num_replays if mtp is not None and mtp.step_graphs else 0),
         "accepted": llm.get_metrics().get("spec_decode_num_accepted_tokens", 0),
     }
     eos = sorted(llm.tokenizer.end_token_ids)
