@@ -41,3 +41,9 @@ def draft_tokens(
     probs = apply_filters(logits, batch)
     sampled = draw(probs, batch.seeds, sampling.first_positions + depth, draft_draw(depth))
     return torch.where(batch.greedy, tokens, sampled), probs
+
+
+def one_hot_probs(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The distribution q of drafts chosen without one (deterministic drafts): one-hot on
+    each draft, fp32 (``[..., V]`` for drafts ``[...]``)."""
+    return torch.nn.functional.one_hot(drafts, vocab_size).float()
