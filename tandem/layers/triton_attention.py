@@ -84,8 +84,9 @@ def paged_attention(
     integer tensors on q's device; ``max_query_len`` is any upper bound on the query
     lengths (it only picks the tile shape). Returns [T, H_q, D] in q's dtype (fp32, bf16 or
     fp16; accumulation is fp32). Reads no device value on the host, so it never waits.
-    ``num_splits`` (a power of two; default ``num_kv_splits``) splits each decode tile's
-    keys over that many programs, combined by a second kernel. ``min_query_len`` (a lower
+    ``num_splits`` (a power of two; default ``num_kv_splits`` on CUDA, 1 in Triton's
+    interpreter) splits each decode tile's keys over that many programs, combined by a
+    second kernel. ``min_query_len`` (a lower
     bound, optional): when a batch mixes rows that fit the 16-row tile (decode,
     verification) with longer ones (prefill), each kind gets its own launch and tile.
     """
@@ -116,7 +117,12 @@ def paged_attention(
         short_q,
     )
     if max_query_len <= short_q:
-        splits = num_kv_splits(num_seqs, num_kv_heads, 16) if num_splits is None else num_splits
+        if num_splits is not None:
+            splits = num_splits
+        elif q.is_cuda:
+            splits = num_kv_splits(num_seqs, num_kv_heads, 16)
+        else:  # Triton's interpreter runs programs one after another: splits only cost
+            splits = 1
         _launch(*args, block_m=16, rows=0, splits=splits, tuning=tuning)
     elif min_query_len is not None and min_query_len <= short_q:
         _launch(*args, block_m=16, rows=1, splits=1, tuning=tuning)  # decode, verification

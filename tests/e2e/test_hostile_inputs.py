@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from server_helpers import AUTH, assert_idle, wait_until_idle
 pytestmark = pytest.mark.slow  # a server process for the module
 
 CASES = all_cases()
+CONCURRENCY = 8  # requests in flight at once
 # What no client may see: a source path, a traceback, an exception's class path.
 LEAKS = re.compile(r"Traceback|File \"|\.py\b|/work/|/home/|/usr/|site-packages|0x[0-9a-f]{6,}")
 FINISH_REASONS = {"stop", "length"}
@@ -155,13 +157,16 @@ def _unique_ids(cases: list[Case]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def responses(http, reference) -> dict[int, httpx.Response]:
-    """Every case's response, by its index in CASES, sent one after another (after the
-    reference, so that it is taken before any hostile case)."""
+    """Every case's response, by its index in CASES (sent after the reference, so that it
+    is taken before any hostile case), CONCURRENCY at a time: the server batches the
+    accepted ones as it would any clients' requests."""
     headers = {"Content-Type": "application/json"}
-    return {
-        i: http.post(f"/{case.path}", content=case.content(), headers=headers)
-        for i, case in enumerate(CASES)
-    }
+
+    def send(case: Case) -> httpx.Response:
+        return http.post(f"/{case.path}", content=case.content(), headers=headers)
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return dict(enumerate(pool.map(send, CASES)))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=_unique_ids(CASES))
