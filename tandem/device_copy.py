@@ -80,6 +80,19 @@ class DeviceReader:
         event.record(torch.cuda.current_stream(self.device))
         return PendingRead(host, event, begun)
 
+    @staticmethod
+    def is_done(pending: PendingRead) -> bool:
+        """Whether a started read's copies have completed (asks the device, never waits)."""
+        return pending.event is None or pending.event.query()
+
+    @staticmethod
+    def take(pending: PendingRead) -> list[list]:
+        """Host lists of a started read whose copies have completed (``is_done``): no wait,
+        so it is not counted in ``num_waits``. ValueError if they have not."""
+        if not DeviceReader.is_done(pending):
+            raise ValueError("take: the read's copies have not completed; ask is_done first")
+        return [t.tolist() for t in pending.tensors]
+
     def read(self, pending: PendingRead) -> list[list]:
         """Host lists of a started read, after a single wait for its event."""
         return self.read_all([pending])[0]

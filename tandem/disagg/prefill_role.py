@@ -24,11 +24,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from tandem.disagg.control import ControlChannel
-from tandem.disagg.handoff import export_handoff
+from tandem.disagg.handoff import HandoffExport, finish_handoff_export, start_handoff_export
 from tandem.disagg.kv_connector import KVConnector, KVTransferError, check_compatible
 from tandem.disagg.liveness import PrefillInbox
 from tandem.messages import (
-    Handoff,
     KVFailed,
     KVReady,
     KVTransferring,
@@ -54,7 +53,7 @@ class _Job:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     num_cached_tokens: int = 0
-    handoff: Handoff | None = None
+    handoff: HandoffExport | None = None  # its drafts on their way to the host
     num_bytes: int = 0  # KV bytes written (all layers, keys and values)
     future: Future | None = None
     writing: bool = False  # the decode instance heard that its KV write has begun
@@ -173,7 +172,7 @@ class PrefillRole:
         num_blocks = -(-job.num_prompt_tokens // block_size)
         src_blocks = list(self.core.block_manager.block_ids(job.request_id))[:num_blocks]
         try:
-            job.handoff = export_handoff(self.core.pipeline, job.request_id)
+            job.handoff = start_handoff_export(self.core.pipeline, job.request_id)
         except RuntimeError as e:
             self._reply_failed(job.reply_to, job.request_id, str(e))
             self._drop(job)
@@ -193,6 +192,11 @@ class PrefillRole:
     def _reap(self) -> None:
         for job in [j for j in self._jobs.values() if j.future is not None and j.future.done()]:
             error = job.future.exception()
+            handoff = None
+            if not job.cancelled and error is None:
+                handoff = finish_handoff_export(job.handoff)
+                if handoff is None:  # the drafts' copies are still queued: next round
+                    continue
             if job.cancelled:  # the decode side holds the blocks until it hears back
                 self._reply_failed(job.reply_to, job.request_id, "cancelled")
             elif error is not None:
@@ -211,7 +215,7 @@ class PrefillRole:
                     job.logprobs[:1],
                     job.prompt_logprobs,
                     job.num_cached_tokens,
-                    job.handoff,
+                    handoff,
                 )
                 self.channel.send(job.reply_to, ready)
             self._drop(job)
