@@ -39,7 +39,8 @@ def test_fuzzed_requests_get_no_server_error_and_openai_errors(server, tmp_path)
         *(sys.executable, "-m", "schemathesis.cli", "run", f"{server}/openapi.json"),
         *("-H", f"Authorization: Bearer {API_KEY}"),
         *("-c", "not_a_server_error,openai_error_body"),
-        *("-n", str(EXAMPLES), "--generation-deterministic", "-w", "1"),
+        # Operations four at a time: the server batches them as it would any clients'.
+        *("-n", str(EXAMPLES), "--generation-deterministic", "-w", "4"),
         # A loaded 2-core machine can take seconds on one request: slow is not an error.
         *("--request-timeout", str(REQUEST_TIMEOUT_S)),
     ]
