@@ -167,3 +167,37 @@ def test_each_request_key_corrupts_its_own_positions():
     share = torch.stack(masks).float().mean().item()
     assert share == pytest.approx(rate, abs=0.005)
     assert len(set(keys)) == len(keys)
+
+
+def test_sampled_requests_verify_the_oracles_drafts_as_one_hot_on_every_path(
+    make_llm, recorded, monkeypatch
+):
+    """Seeded sampled requests: the oracle's drafts are deterministic, so their q is one-hot,
+    in the slots of resolved steps (overlap) as in the ragged rows' states (no resolved
+    step at all): both give the same tokens, drafts accepted on both."""
+    prompts, _, recordings = recorded
+    params = [
+        # Near-greedy, so the recorded greedy drafts are often right.
+        SamplingParams(temperature=0.05, seed=11 + i, max_tokens=24, ignore_eos=True)
+        for i in range(4)
+    ]
+    outputs = {}
+    for overlap in (True, False):
+        llm = make_llm(
+            **ENGINE,
+            speculative="oracle",
+            num_speculative_tokens=K,
+            oracle_corruption=0.0,
+            overlap=overlap,
+        )
+        llm.engine.runner.proposer.set_recordings(recordings)
+        mtp = llm.engine.pipeline.mtp
+        if not overlap:  # every row ragged: q from the proposer's own proposal
+            monkeypatch.setattr(mtp, "row_resolvable", lambda row, ahead: False)
+        before = llm.get_metrics()["spec_decode_num_accepted_tokens"]
+        resolved = llm.engine.pipeline.num_resolved_steps
+        outputs[overlap] = _tokens(llm.generate(prompts[:4], params, use_tqdm=False))
+        assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > before
+        assert (llm.engine.pipeline.num_resolved_steps > resolved) == overlap
+        monkeypatch.undo()
+    assert outputs[True] == outputs[False]

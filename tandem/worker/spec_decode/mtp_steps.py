@@ -11,7 +11,6 @@ from tandem.layers.sampler import LogprobsTensors
 from tandem.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.worker.input_batch import InputBatch, RequestState, RowPlan, StepInputs
 from tandem.worker.model_runner import ModelRunner, on_runner_device
-from tandem.worker.spec_decode.draft_sampling import one_hot_probs
 from tandem.worker.spec_decode.proposer import ProposalRow
 from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs, graph_family
 from tandem.worker.spec_decode.uniform_step import (
@@ -165,9 +164,6 @@ class MTPSteps:
                 continue
             state.drafts = drafts
             state.draft_probs = proposal.draft_probs.get(request_id)
-            if state.draft_probs is None and not sampling[request_id][0].greedy:
-                # Sampled request, deterministic drafts (the oracle's): q is one-hot on them.
-                state.draft_probs = one_hot_probs(drafts, self.runner.arch.vocab_size)
             output.num_drafts[request_id] = int(drafts.shape[0])
             if drafts.shape[0] == k:
                 ready.append(state)

@@ -28,6 +28,7 @@ import torch
 from tandem.device_copy import to_device
 from tandem.sampling_params import SamplingParams
 from tandem.worker.input_batch import InputBatch
+from tandem.worker.spec_decode.draft_sampling import one_hot_probs
 from tandem.worker.spec_decode.proposer import Proposal, ProposalRow
 
 _HASH_BITS = 24
@@ -157,8 +158,8 @@ class OracleProposer:
         sampling: dict[str, tuple[SamplingParams, int]],
     ) -> Proposal:
         """Drafts after a step the host has read (``MTPProposer.propose``'s contract): a
-        drafting row's newest token sits one past its last kept position. The drafts carry
-        no distribution, so sampled requests verify them as one-hot."""
+        drafting row's newest token sits one past its last kept position. The drafts are
+        deterministic: a sampled request's q is one-hot on them (``one_hot_probs``)."""
         proposal = Proposal({}, {})
         drafting = [r for r in rows if r.positions and r.num_drafts > 0]
         if not drafting:
@@ -169,7 +170,10 @@ class OracleProposer:
             to_device([r.positions[-1] + 1 for r in drafting], torch.long, self.device),
         )
         for index, row in enumerate(drafting):
-            proposal.draft_token_ids[row.request_id] = drafts[index, : row.num_drafts]
+            row_drafts = drafts[index, : row.num_drafts]
+            proposal.draft_token_ids[row.request_id] = row_drafts
+            if not sampling[row.request_id][0].greedy:
+                proposal.draft_probs[row.request_id] = one_hot_probs(row_drafts, self.vocab_size)
         return proposal
 
     def propose_uniform(
@@ -184,11 +188,14 @@ class OracleProposer:
         num_drafts: int,
         slot_ids: torch.Tensor | None = None,
         sampling=None,
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafts ``[rows, num_drafts]`` after a uniform verification step, on the device
         alone: row b's new last token sits at ``accepted.last_positions[b]`` + 1;
-        ``slot_ids`` name the rows' table rows (required here). Its drafts are the same for
-        sampled rows (``sampling`` is unused): their q is one-hot, hence no distributions."""
+        ``slot_ids`` name the rows' table rows (required here). Sampled rows draft the same
+        tokens; with any (``sampling`` not all greedy) their q comes back one-hot."""
         if slot_ids is None:
             raise ValueError("the oracle proposer needs the rows' slot_ids")
-        return self.drafts(slot_ids, accepted.last_positions + 1)[:, :num_drafts], None
+        drafts = self.drafts(slot_ids, accepted.last_positions + 1)[:, :num_drafts]
+        if sampling is None or sampling.batch.all_greedy:
+            return drafts, None
+        return drafts, one_hot_probs(drafts, self.vocab_size)

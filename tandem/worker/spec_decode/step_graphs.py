@@ -33,7 +33,7 @@ from tandem.worker.cuda_graphs import capture_graph, capture_stream, graph_batch
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_graphs import draft_chain
-from tandem.worker.spec_decode.draft_sampling import DraftSampling, one_hot_probs
+from tandem.worker.spec_decode.draft_sampling import DraftSampling
 from tandem.worker.spec_decode.slot_rows import accept, verify_rows
 from tandem.worker.spec_decode.verification import RejectionLayout
 from tandem.worker.step_sampler import sample_uniform
@@ -155,8 +155,6 @@ class ResolvedStepGraphs:
             slot_ids,
             DraftSampling(batch, accepted.last_positions + 2),
         )
-        if probs is None:  # drafts without a distribution (the oracle's): q is one-hot
-            probs = one_hot_probs(drafts, logits.shape[-1])
         slots.drafts.index_copy_(0, slot_ids, drafts)
         slots.draft_probs.index_copy_(0, slot_ids, probs)
         logprobs = compute_logprobs(logits, candidates, MAX_LOGPROBS)

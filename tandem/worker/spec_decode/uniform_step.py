@@ -20,7 +20,7 @@ from tandem.layers.triton_attention import block_table_array
 from tandem.worker.input_batch import RowPlan
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.request_slots import RequestSlots
-from tandem.worker.spec_decode.draft_sampling import DraftSampling, one_hot_probs
+from tandem.worker.spec_decode.draft_sampling import DraftSampling
 from tandem.worker.spec_decode.slot_rows import Accepted, accept, verify_rows
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step, sampling_batch
 
@@ -130,8 +130,6 @@ def launch_uniform_step(
         draft_sampling(plans, accepted, runner.arch.vocab_size, device),
     )
     slots.drafts.index_copy_(0, slot_ids, drafts)
-    if sampled and probs is None:  # deterministic drafts (the oracle's): q is one-hot
-        probs = one_hot_probs(drafts, runner.arch.vocab_size)
     if probs is not None:
         slots.draft_probs.index_copy_(0, slot_ids, probs)
     return sample, sampling_rows
