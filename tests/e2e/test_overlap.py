@@ -7,11 +7,11 @@ never freed twice, and the host waits for the device at most once per step."""
 from __future__ import annotations
 
 import os
-import threading
 from collections import Counter
 
 import pytest
 import torch
+from host_reads import HostReads
 
 from tandem import SamplingParams
 from tandem.bench.datasets import load_mtbench
@@ -200,9 +200,6 @@ def test_requests_finishing_in_flight_match_and_free_once(
     assert len(log.released) == 16 and max(log.released.values()) == 1
 
 
-HOST_READS = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
-
-
 @pytest.mark.parametrize("engine", ["plain", "mtp"])
 def test_invariant_one_wait_per_step_host_waits_for_the_device_at_most_once_per_step(
     make_llm, prompts, monkeypatch, engine
@@ -213,42 +210,8 @@ def test_invariant_one_wait_per_step_host_waits_for_the_device_at_most_once_per_
     options = {"speculative": "mtp", "num_speculative_tokens": 3} if engine == "mtp" else {}
     llm = make_llm(overlap=True, **options)
     pipeline = llm.engine.pipeline
-    stray: Counter = Counter()
-    inside_reader = threading.Event()
-    read_all = pipeline.reader.read_all  # every read goes through it
-
-    def marked_read(pendings):
-        inside_reader.set()
-        try:
-            return read_all(pendings)
-        finally:
-            inside_reader.clear()
-
-    monkeypatch.setattr(pipeline.reader, "read_all", marked_read)
-
-    def counting(name):
-        original = getattr(torch.Tensor, name)
-
-        def wrapper(self, *args, **kwargs):
-            if not inside_reader.is_set():
-                stray[name] += 1
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    execute = pipeline.step_ahead
-
-    def execute_counted(step):
-        before = pipeline.reader.num_waits
-        try:
-            with pytest.MonkeyPatch.context() as patch:
-                for name in HOST_READS:
-                    patch.setattr(torch.Tensor, name, counting(name))
-                return execute(step)
-        finally:
-            waits.append(pipeline.reader.num_waits - before)
-
-    waits: list[int] = []
+    reads = HostReads(monkeypatch)
+    execute_counted = reads.counted(pipeline.step_ahead, pipeline.reader)
     params = [
         SamplingParams(
             temperature=0.0 if i % 2 else 0.9,
@@ -265,9 +228,9 @@ def test_invariant_one_wait_per_step_host_waits_for_the_device_at_most_once_per_
         llm.generate(prompts, params, use_tqdm=False)
     finally:
         del pipeline.step_ahead
-    assert len(waits) >= 5
-    assert max(waits) <= 1, f"a step waited for the device {max(waits)} times"
-    assert not stray, f"host reads outside the one wait per step: {dict(stray)}"
+    assert len(reads.waits) >= 5
+    assert max(reads.waits) <= 1, f"a step waited for the device {max(reads.waits)} times"
+    assert not reads.stray, f"host reads outside the one wait per step: {dict(reads.stray)}"
 
 
 def test_plain_decoding_queues_the_next_step_before_reading(make_llm, prompts, monkeypatch):

@@ -10,18 +10,14 @@ The three-process version over HTTP and the Mooncake connector is tests/e2e/test
 
 from __future__ import annotations
 
-import threading
 import time
-import traceback
-from collections import Counter
 
 import pytest
-import torch
+from host_reads import HostReads
 
 from tandem.bench.datasets import load_mtbench
 from tandem.config import CacheConfig, DisaggConfig, EngineConfig, SpeculativeConfig
 from tandem.core.engine_core import EngineCore
-from tandem.device_copy import DeviceReader
 from tandem.disagg.kv_connector import LocalKVConnector
 from tandem.disagg.setup import start_pd_role
 from tandem.request import Request
@@ -182,9 +178,6 @@ def test_invariant_lossless_decode_instance_reports_what_a_mixed_instance_report
     _assert_no_leak(prefill, decode)
 
 
-HOST_READS = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
-
-
 def test_invariant_one_wait_per_step_on_both_instances(cores, prompts, tokenizer, monkeypatch):
     """Every read of a tensor's values on the host outside the runners' DeviceReaders is
     counted while the prefill and decode instances step (the prefill side hands over the
@@ -192,57 +185,9 @@ def test_invariant_one_wait_per_step_on_both_instances(cores, prompts, tokenizer
     side inserts them into its slots): there must be none, and each engine step waits for
     its device at most once. Sampled and greedy rows, logprobs."""
     _, prefill, decode = cores
-    stray: Counter = Counter()
-    inside_reader = threading.Event()
+    reads = HostReads(monkeypatch)
     for core in (prefill, decode):
-        read_all = core.pipeline.reader.read_all
-
-        def marked_read(pendings, read_all=read_all):
-            inside_reader.set()
-            try:
-                return read_all(pendings)
-            finally:
-                inside_reader.clear()
-
-        monkeypatch.setattr(core.pipeline.reader, "read_all", marked_read)
-    take = DeviceReader.take  # a read of copies that have completed: no wait
-
-    def marked_take(pending):
-        inside_reader.set()
-        try:
-            return take(pending)
-        finally:
-            inside_reader.clear()
-
-    monkeypatch.setattr(DeviceReader, "take", staticmethod(marked_take))
-
-    def counting(name):
-        original = getattr(torch.Tensor, name)
-
-        def wrapper(self, *args, **kwargs):
-            if not inside_reader.is_set() and threading.current_thread() is main_thread:
-                caller = traceback.extract_stack(limit=2)[0]
-                stray[f"{name} at {caller.filename}:{caller.lineno}"] += 1
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    main_thread = threading.current_thread()
-    waits: list[int] = []
-    for core in (prefill, decode):
-        step = core.step
-
-        def counted_step(core=core, step=step):
-            before = core.pipeline.reader.num_waits
-            try:
-                with pytest.MonkeyPatch.context() as patch:
-                    for name in HOST_READS:
-                        patch.setattr(torch.Tensor, name, counting(name))
-                    return step()
-            finally:
-                waits.append(core.pipeline.reader.num_waits - before)
-
-        monkeypatch.setattr(core, "step", counted_step)
+        monkeypatch.setattr(core, "step", reads.counted(core.step, core.pipeline.reader))
     params = [
         _params(tokenizer, temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=8, logprobs=2)
         for i in range(8)
@@ -254,9 +199,9 @@ def test_invariant_one_wait_per_step_on_both_instances(cores, prompts, tokenizer
     if decode.runner.proposer is not None:  # handed-over slots let decode steps resolve
         assert decode.pipeline.num_resolved_steps > resolved_before
     assert all(r["error"] is None and len(r["tokens"]) == 8 for r in got.values()), got
-    assert len(waits) >= 10
-    assert max(waits) <= 1, f"an engine step waited for its device {max(waits)} times"
-    assert not stray, f"host reads outside the one wait per step: {dict(stray)}"
+    assert len(reads.waits) >= 10
+    assert max(reads.waits) <= 1, f"an engine step waited {max(reads.waits)} times"
+    assert not reads.stray, f"host reads outside the one wait per step: {dict(reads.stray)}"
     monkeypatch.undo()
     _settle([prefill, decode])
     _assert_no_leak(prefill, decode)
