@@ -27,6 +27,7 @@ from tandem.models.tensor_parallel import (
 )
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
 from tandem.worker.input_batch import StepInputs
+from tandem.worker.ragged_graphs import RaggedBatch, RaggedGraphRunner
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
 from tandem.worker.spec_decode.oracle_proposer import OracleProposer
@@ -99,6 +100,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.proposer: MTPProposer | OracleProposer | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.ragged_graphs: RaggedGraphRunner | None = None
         self.scratch_block = 0
         max_tokens = config.scheduler.max_num_batched_tokens
         self._input_ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
@@ -153,6 +155,18 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
+            self.ragged_graphs = RaggedGraphRunner(
+                self.model,
+                self.kv_caches,
+                self.backend,
+                self.block_size,
+                max_model_len,
+                self.config.scheduler.max_num_seqs,
+                self.config.scheduler.max_num_batched_tokens,
+                (self._input_ids, self._positions, self._slots),
+                num_blocks,
+            )
+            self.ragged_graphs.capture()
             if self.mtp_head is not None and k > 1:
                 self.proposer.graphs = DraftGraphRunner(
                     self.proposer, k, max_model_len, self.config.scheduler.max_num_seqs, num_blocks
@@ -163,7 +177,7 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drop the KV cache and the CUDA graphs and return their memory to the device."""
-        self.graphs = None
+        self.graphs = self.ragged_graphs = None
         self.proposer = None
         self.kv_caches = []
         if self.device.type == "cuda":
@@ -186,8 +200,9 @@ class ModelRunner:
     @on_runner_device
     def profile_peak_bytes(self) -> int:
         """Device memory a full step needs beyond the weights: a dry run of the largest
-        prefill (``max_num_batched_tokens`` tokens) and its logits, measured on CUDA, and
-        with an MTP head the requests' device slots (``RequestSlots``)."""
+        prefill (``max_num_batched_tokens`` tokens) and its logits, measured on CUDA (twice
+        with CUDA graphs: the ragged steps' graphs keep a private pool as large), and with an
+        MTP head the requests' device slots (``RequestSlots``)."""
         tokens = self.config.scheduler.max_num_batched_tokens
         blocks = -(-tokens // self.block_size)
         torch.cuda.synchronize(self.device)
@@ -220,6 +235,8 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows]).softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
+        if self.uses_cuda_graphs:
+            peak *= 2
         del caches, hidden
         torch.cuda.empty_cache()
         if self.proposer is not None:  # the step pipeline's device slots, allocated later
@@ -256,7 +273,8 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's hidden states and the fed token ids (drafts filled in on the
-        device): by a CUDA graph's replay when the batch is uniform, else eagerly."""
+        device): by a CUDA graph's replay (a uniform graph, else a ragged one) when one
+        fits, else eagerly."""
         fills = []  # (flat indices, token ids) written on the device after the copy
         if inputs.drafts:
             fills.append(
@@ -295,6 +313,11 @@ class ModelRunner:
         copy_to(slots, inputs.slots)
         for index, tokens in fills:
             input_ids[index] = tokens
+        if self.ragged_graphs is not None:
+            ragged = RaggedBatch(inputs.query_lens, inputs.seq_lens, inputs.block_tables)
+            size = self.ragged_graphs.padded_size(ragged)
+            if size is not None:
+                return self.ragged_graphs.run(ragged, size), input_ids
         metadata = self.backend.build_metadata(
             inputs.query_lens,
             inputs.seq_lens,

@@ -2,7 +2,8 @@
 
 fp32 greedy outputs match Hugging Face transformers' (the tie rule, logprobs within 1e-4)
 and the eager engine's, plain and with MTP; seeded sampled MTP rows draw the eager
-engine's tokens; the decode steps really ran as graph replays.
+engine's tokens; the decode steps really ran as graph replays, and so did the ragged steps
+(prompt chunks beside decode rows: a step budget of 512 tokens chunks the 16 prompts).
 TANDEM_MODEL names the model file where the default package is not installed.
 """
 
@@ -35,7 +36,13 @@ def _run(engine: dict, device: str = "cuda", params=None, **options):
     from tandem import LLM
 
     llm = LLM(
-        model=_model(), device=device, dtype="float32", kv_cache_memory_gb=4, **engine, **options
+        model=_model(),
+        device=device,
+        dtype="float32",
+        kv_cache_memory_gb=4,
+        max_num_batched_tokens=512,
+        **engine,
+        **options,
     )
     prompts = [
         llm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
@@ -59,6 +66,9 @@ def _run(engine: dict, device: str = "cuda", params=None, **options):
         )
         + (mtp.step_graphs.num_replays if mtp is not None and mtp.step_graphs else 0),
         "accepted": llm.get_metrics().get("spec_decode_num_accepted_tokens", 0),
+        "ragged_replays": (
+            llm.engine.runner.ragged_graphs.num_replays if llm.engine.runner.ragged_graphs else 0
+        ),
     }
     eos = sorted(llm.tokenizer.end_token_ids)
     llm.engine.shutdown()
@@ -72,6 +82,8 @@ def test_graphs_match_eager_and_hf_on_cuda(engine):
     _, eager, eager_replays, _, eager_drafting = _run(ENGINES[engine], enforce_eager=True)
     assert replays >= MAX_TOKENS // 4, f"only {replays} graph replays: graphs were not used"
     assert eager_replays == 0
+    # Prefill chunks (some beside decode rows) replayed as ragged graphs.
+    assert drafting["ragged_replays"] >= 4 and eager_drafting["ragged_replays"] == 0
     if engine == "mtp":  # later draft depths replayed too, and drafted as well as eagerly
         assert drafting["draft_replays"] >= MAX_TOKENS // 4
         assert eager_drafting["draft_replays"] == 0

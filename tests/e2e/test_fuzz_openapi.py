@@ -4,8 +4,8 @@ server. Every response must be below 500 (``not_a_server_error``) and every 4xx/
 OpenAI's error schema (``openai_error_body``, fuzz_hooks.py). The run passes only with no
 failure and no error.
 
-In CI it sends ``TANDEM_FUZZ_EXAMPLES`` (default 30) examples per operation, three groups of operations at once; ``make fuzz``
-sends many more (docs/testing.md).
+In CI it sends ``TANDEM_FUZZ_EXAMPLES`` (default 30) examples per operation, three groups
+of operations at once; ``make fuzz`` sends many more (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_fuzzed_requests_get_no_server_error_and_openai_errors(server, tmp_path)
                 text=True,
             )
         )
-    for selection, run in zip(OPERATION_GROUPS, runs):
+    for selection, run in zip(OPERATION_GROUPS, runs, strict=True):
         output, _ = run.communicate()
         assert run.returncode == 0, f"{selection}: {output[-6000:]}"
         assert "passed" in output, f"{selection}: {output[-2000:]}"
