@@ -122,9 +122,14 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Render ``messages`` with the model's chat template and return the prompt ids."""
+        """Render ``messages`` with the model's chat template and return the prompt ids
+        (``add_special_tokens``: the tokenizer's own BOS/EOS around the rendered text too, as
+        vLLM's ``/tokenize`` may ask; the chat endpoint never does)."""
         if not getattr(self._hf, "chat_template", None):
             raise ValueError("chat_template: this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not all(
@@ -135,7 +140,7 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         # The template already writes any BOS/markup tokens itself.
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 class IncrementalDetokenizer:

@@ -10,7 +10,9 @@ from collections.abc import Awaitable
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
+from tandem import __version__
 from tandem.disagg.trust import PREFILL_SIGNATURE_HEADER, prefill_url_signed
 from tandem.sampling_params import ParamError, check_text
 from tandem.server.engine_client import (
@@ -19,7 +21,7 @@ from tandem.server.engine_client import (
     RequestFailed,
     RequestTimedOut,
 )
-from tandem.server.errors import ApiError, install_error_handlers
+from tandem.server.errors import ApiError, check_model, install_error_handlers
 from tandem.server.guards import default_max_body_bytes, install_guards
 from tandem.server.metrics import ServerMetrics
 from tandem.server.openai_serving import RequestRun, prepare_chat, prepare_completion
@@ -28,6 +30,7 @@ from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from tandem.server.tokenize_routes import install_tokenize_routes
 
 DISCONNECT_POLL_S = 0.2
 # PD: how long asking a prefill instance for its control address may take, and how long
@@ -156,13 +159,7 @@ def _check_admission(
     client: AsyncEngineClient, model: str | None, served_model_name: str, max_pending: int
 ) -> None:
     """Refuse a request for another model, or while the engine is dead or full."""
-    if model is not None and model != served_model_name:
-        raise ApiError(
-            404,
-            f"model {model!r} does not exist; this server serves {served_model_name!r}",
-            "not_found_error",
-            "model",
-        )
+    check_model(model, served_model_name)
     if client.dead:
         raise ApiError(503, f"engine is not running: {client.dead}", "service_unavailable")
     if client.num_active_requests >= max_pending:
@@ -217,7 +214,7 @@ def build_app(
     metrics = ServerMetrics(served_model_name)
     app.state.client, app.state.metrics = client, metrics
     install_error_handlers(app)
-    open_paths = frozenset({"/health", "/metrics"} if metrics_without_key else {"/health"})
+    open_paths = frozenset({"/health", "/ping"} | ({"/metrics"} if metrics_without_key else set()))
     install_guards(app, body_limit, api_key, open_paths)
     prefill_addresses = PrefillAddresses(client, disagg_secret, api_key)
 
@@ -256,7 +253,15 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
+    install_tokenize_routes(app, client, served_model_name)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (SageMaker's) liveness check, GET and POST
+    @app.post("/ping")
     async def health():
         if client.dead:
             return JSONResponse({"status": "error", "reason": client.dead}, 503)
@@ -277,4 +282,21 @@ def build_app(
         rendered = metrics.render(client.stats, engine_live=client.dead is None)
         return Response(rendered, media_type="text/plain; version=0.0.4")
 
+    _add_head_routes(app)
     return app
+
+
+def _add_head_routes(app: FastAPI) -> None:
+    """``HEAD`` beside each GET route of ``app`` (FastAPI adds none; the docs' routes have
+    it already): the GET handler answers, and the server sends its status and headers
+    without the body. Left out of the OpenAPI schema."""
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            app.add_api_route(
+                route.path,
+                route.endpoint,
+                methods=["HEAD"],
+                response_class=route.response_class,
+                include_in_schema=False,
+                name=f"{route.name}_head",
+            )

@@ -43,6 +43,18 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
+def check_model(model: str | None, served_model_name: str) -> None:
+    """ApiError 404 naming ``model`` unless it is absent or the served model (every route
+    that takes a ``model`` field answers a wrong one the same way)."""
+    if model is not None and model != served_model_name:
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist; this server serves {served_model_name!r}",
+            "not_found_error",
+            "model",
+        )
+
+
 def public_message(message: str) -> str:
     """``message`` without source paths, cut to a readable length."""
     message = _SOURCE_PATH.sub("<path>", message)

@@ -4,7 +4,7 @@ server. Every response must be below 500 (``not_a_server_error``) and every 4xx/
 OpenAI's error schema (``openai_error_body``, fuzz_hooks.py). The run passes only with no
 failure and no error.
 
-In CI it sends ``TANDEM_FUZZ_EXAMPLES`` (default 30) examples per operation, three groups
+In CI it sends ``TANDEM_FUZZ_EXAMPLES`` (default 30) examples per operation, four groups
 of operations at once; ``make fuzz`` sends many more (docs/testing.md).
 """
 
@@ -30,7 +30,7 @@ def server_args() -> list[str]:
     return ["--max-model-len", "128"]
 
 
-# The operations in three groups, each a schemathesis process of one worker, run at once: the
+# The operations in four groups, each a schemathesis process of one worker, run at once: the
 # server batches them as it would any clients'. (Not schemathesis' own ``--workers``: its worker
 # threads share hypothesis' ``ast.parse`` of lambdas, which CPython 3.11.7 does not make
 # thread-safe: "AST constructor recursion depth mismatch".)
@@ -38,6 +38,8 @@ OPERATION_GROUPS = (
     ("--include-path", "/v1/completions"),
     ("--include-path", "/v1/chat/completions"),
     ("--include-method", "GET"),
+    # vLLM's POST routes (schemathesis ORs its includes: GET /ping is left out by exclusion).
+    ("--include-path-regex", "^/(tokenize|detokenize|ping)$", "--exclude-method", "GET"),
 )
 
 

@@ -28,6 +28,9 @@ GUARDED = [
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/version"),
     ("GET", "/no/such/route"),
 ]
 GUARDED_OK_PATHS = ("/docs", "/openapi.json", "/metrics", "/v1/disagg/info")
