@@ -30,6 +30,7 @@ from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from tandem.server.response_streams import full_response, stream_events
 from tandem.server.tokenize_routes import install_tokenize_routes
 
 DISCONNECT_POLL_S = 0.2
@@ -39,11 +40,12 @@ PREFILL_INFO_TIMEOUT_S = 5.0
 PREFILL_INFO_TTL_S = 2.0
 
 
-async def _respond(run: RequestRun, request: Request) -> Response:
-    """Stream the run, or wait for its whole response (aborting it if the client leaves)."""
-    if run.prepared.stream:
-        return StreamingResponse(run.stream(), media_type="text/event-stream")
-    task = asyncio.create_task(run.full_response())
+async def _respond(runs: list[RequestRun], request: Request) -> Response:
+    """Stream the runs (a request's prompts), or wait for their whole response (aborting
+    them if the client leaves)."""
+    if runs[0].prepared.stream:
+        return StreamingResponse(stream_events(runs), media_type="text/event-stream")
+    task = asyncio.create_task(full_response(runs))
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if not done and await request.is_disconnected():
@@ -166,6 +168,12 @@ def _check_admission(
         raise ApiError(503, "server is over its request limit; retry later", "service_unavailable")
 
 
+def _check_room(client: AsyncEngineClient, num_runs: int, max_pending: int) -> None:
+    """Refuse a request whose prompts would take the engine over its request limit."""
+    if client.num_active_requests + num_runs > max_pending:
+        raise ApiError(503, "server is over its request limit; retry later", "service_unavailable")
+
+
 def _body_limit(client: AsyncEngineClient, fixed: int | None):
     """The body size limit as a function: ``fixed``, or the default for the engine's
     max_model_len (known once it has started)."""
@@ -229,10 +237,13 @@ def build_app(
             raise ApiError(400, str(e), param=e.param) from e
         except ValueError as e:  # the tokenizer's (a chat template's) own
             raise ApiError(400, str(e)) from e
-        if prefill_url:
-            prepared.remote_prefill = await prefill_addresses.resolve(prefill_url)
-        request_run = RequestRun(prepared, client, metrics, served_model_name)
-        return await prefill_addresses.watch(prefill_url, _respond(request_run, request))
+        prepared = prepared if isinstance(prepared, list) else [prepared]
+        _check_room(client, len(prepared), max_pending_requests)
+        remote = await prefill_addresses.resolve(prefill_url) if prefill_url else None
+        for one in prepared:
+            one.remote_prefill = remote
+        runs = [RequestRun(one, client, metrics, served_model_name) for one in prepared]
+        return await prefill_addresses.watch(prefill_url, _respond(runs, request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -3,19 +3,25 @@ OpenAI responses, whole or as server-sent events."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from copy import copy
 from dataclasses import dataclass, field
 
 from tandem.outputs import PositionLogprobs, RequestOutput
 from tandem.sampling_params import ParamError, SamplingParams
-from tandem.server.engine_client import AsyncEngineClient, EngineDeadError, RequestFailed
-from tandem.server.errors import public_message
+from tandem.server.engine_client import AsyncEngineClient
+from tandem.server.logprobs_format import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +39,58 @@ class PreparedRequest:
     return_token_ids: bool = False
     # PD: the control address of the prefill instance that computes the prompt's KV.
     remote_prefill: str | None = None
-    # The response's id ("cmpl-..." / "chatcmpl-...") is the engine's request id too.
+    # The engine's request id; the response's id ("cmpl-..." / "chatcmpl-...") is the same
+    # unless the request has several prompts (then each runs as "<response id>-<index>").
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice's index
+    response_id: str = ""
+    # Completions: the prompt's text before the completion (``echo``); with
+    # ``discard_output`` (``max_tokens: 0``) nothing generated is returned.
+    echo: str | None = None
+    discard_output: bool = False
+    # vLLM's ``prompt_logprobs`` field: the top entries per prompt token (None: not asked).
+    prompt_logprobs: int | None = None
 
 
-def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> PreparedRequest:
-    """A validated completion request (ParamError names a bad field)."""
+def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> list[PreparedRequest]:
+    """A validated completion request: one prepared run per prompt (ParamError names a bad
+    field)."""
     body.check_supported()
-    prompt = body.single_prompt()
-    if isinstance(prompt, str):
-        text, token_ids = prompt, client.tokenizer.encode(prompt)
-    else:
-        text, token_ids = None, list(prompt)
-    params = body.to_sampling_params(body.max_tokens, body.checked_logprobs())
-    return _prepared("completion", text, token_ids, params, body, client)
+    prompts = body.prompts()
+    max_tokens = body.checked_max_tokens()
+    logprobs = body.checked_logprobs()
+    # The engine's prompt logprobs: what echo with logprobs and prompt_logprobs ask for.
+    wanted = [body.prompt_logprobs]
+    if body.echo and logprobs is not None:
+        wanted.append(logprobs)
+    wanted = [n for n in wanted if n is not None]
+    params = body.to_sampling_params(
+        max(max_tokens, 1), logprobs, prompt_logprobs=max(wanted) if wanted else None
+    )
+    runs = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            text, token_ids = prompt, client.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        try:
+            prepared = _prepared("completion", text, token_ids, copy(params), body, client)
+        except ParamError as e:
+            if len(prompts) == 1 or e.param != "prompt":
+                raise
+            raise ParamError(f"prompt[{index}]", f"prompt[{index}]: {e}") from None
+        if body.echo:
+            prepared.echo = text if text is not None else client.tokenizer.decode(token_ids, False)
+        prepared.discard_output = max_tokens == 0
+        prepared.prompt_logprobs = body.prompt_logprobs
+        prepared.index = index
+        runs.append(prepared)
+    if len(runs) > 1:
+        for prepared in runs:
+            prepared.request_id = f"{runs[0].response_id}-{prepared.index}"
+            prepared.response_id = runs[0].response_id
+    return runs
 
 
 def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> PreparedRequest:
@@ -62,7 +105,9 @@ def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> Prep
     params = body.to_sampling_params(max_tokens, body.checked_logprobs(), renamed)
     token_ids = client.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
     try:
-        return _prepared("chat", None, token_ids, params, body, client)
+        prepared = _prepared("chat", None, token_ids, params, body, client)
+        prepared.prompt_logprobs = body.prompt_logprobs
+        return prepared
     except ParamError as e:
         if e.param != "prompt":
             raise
@@ -74,7 +119,7 @@ def _prepared(kind, text, token_ids, params, body, client) -> PreparedRequest:
     if params.max_tokens is None:
         params.max_tokens = client.info.max_model_len - len(token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+    request_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
     return PreparedRequest(
         kind,
         text,
@@ -83,7 +128,8 @@ def _prepared(kind, text, token_ids, params, body, client) -> PreparedRequest:
         body.stream,
         include_usage,
         body.return_token_ids,
-        request_id=prefix + uuid.uuid4().hex,
+        request_id=request_id,
+        response_id=request_id,
     )
 
 
@@ -132,17 +178,19 @@ class RequestRun:
 
     @property
     def response_id(self) -> str:
-        return self.prepared.request_id
+        return self.prepared.response_id or self.prepared.request_id
 
     def usage(self) -> dict:
         prompt_tokens = len(self.prepared.prompt_token_ids)
+        completion_tokens = 0 if self.prepared.discard_output else self.num_generated
         return {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": self.num_generated,
-            "total_tokens": prompt_tokens + self.num_generated,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+    def envelope(self, choices: list[dict], chunk: bool) -> dict:
+        """The response (or chunk) around ``choices``."""
         kind = self.prepared.kind
         if kind == "completion":
             obj = "text_completion"
@@ -156,153 +204,115 @@ class RequestRun:
             "choices": choices,
         }
 
-    def _logprobs(
-        self, tokens: list[int], logprobs: list[PositionLogprobs] | None, text_offset: int
-    ) -> dict | None:
-        if logprobs is None or self.prepared.params.logprobs is None:
-            return None
+    def _logprobs(self, tokens: list[int], logprobs: list[PositionLogprobs] | None, offset: int):
         num_top = self.prepared.params.logprobs
+        if logprobs is None or num_top is None:
+            return None
         if self.prepared.kind == "chat":
-            content = []
-            for token, position in zip(tokens, logprobs, strict=True):
-                chosen = position[token]
-                top = sorted(position.items(), key=lambda kv: kv[1].rank)[:num_top]
-                content.append(
-                    {
-                        "token": chosen.decoded_token,
-                        "logprob": chosen.logprob,
-                        "bytes": list(chosen.decoded_token.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": lp.decoded_token,
-                                "logprob": lp.logprob,
-                                "bytes": list(lp.decoded_token.encode()),
-                            }
-                            for _, lp in top
-                            if lp.rank <= num_top
-                        ],
-                    }
+            return chat_logprobs(tokens, logprobs, num_top)
+        return completion_logprobs(tokens, logprobs, num_top, offset)
+
+    def _prompt_parts(self, output: RequestOutput) -> tuple[str, dict | None, dict]:
+        """What goes before the first generated text: the echoed prompt and its logprobs
+        (completions with ``echo``), and vLLM's ``prompt_logprobs`` field."""
+        p = self.prepared
+        text, logprobs, extra = "", None, {}
+        positions = output.prompt_logprobs
+        if p.echo is not None:
+            text = p.echo
+            if p.params.logprobs is not None and positions is not None:
+                first = self.client.tokenizer.decode_token(p.prompt_token_ids[0])
+                logprobs = echoed_prompt_logprobs(
+                    p.prompt_token_ids, positions, p.params.logprobs, first
                 )
-            return {"content": content}
-        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = text_offset
-        for token, position in zip(tokens, logprobs, strict=True):
-            chosen = position[token]
-            result["tokens"].append(chosen.decoded_token)
-            result["token_logprobs"].append(chosen.logprob)
-            result["top_logprobs"].append(
-                {
-                    lp.decoded_token: lp.logprob
-                    for _, lp in sorted(position.items(), key=lambda kv: kv[1].rank)
-                    if lp.rank <= num_top
-                }
-                if num_top
-                else None
+        if p.prompt_logprobs is not None and positions is not None:
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(
+                p.prompt_token_ids, positions, p.prompt_logprobs
             )
-            result["text_offset"].append(offset)
-            offset += len(chosen.decoded_token)
-        return result
+        return text, logprobs, extra
 
     def _choice(
-        self,
-        text: str,
-        tokens: list[int],
-        logprobs,
-        finish_reason,
-        chunk: bool,
-        text_offset: int = 0,
-        first: bool = False,
+        self, text, tokens, logprobs, finish_reason, chunk: bool, first: bool = False
     ) -> dict:
-        choice = self._shaped_choice(
-            text, tokens, logprobs, finish_reason, chunk, text_offset, first
-        )
+        """One choice in the endpoint's shape (``logprobs`` already shaped)."""
+        index = self.prepared.index
+        if self.prepared.kind == "completion":
+            choice = {"index": index, "text": text, "logprobs": logprobs}
+        elif chunk:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if finish_reason is not None and not text:
+                delta = {}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        else:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": index, "message": message, "logprobs": logprobs}
+        choice["finish_reason"] = finish_reason
         if self.prepared.return_token_ids:
             choice["token_ids"] = list(tokens)
         return choice
 
-    def _shaped_choice(
-        self, text, tokens, logprobs, finish_reason, chunk, text_offset, first
-    ) -> dict:
-        lp = self._logprobs(tokens, logprobs, text_offset)
-        if self.prepared.kind == "completion":
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-        if chunk:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            if finish_reason is not None and not text:
-                delta = {}
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}
-
-    async def full_response(self) -> dict:
+    async def response_parts(self) -> tuple[dict, dict]:
+        """The whole run: its choice and the envelope's extra fields (chat's
+        ``prompt_logprobs``)."""
         text, tokens, logprobs = [], [], []
+        last = None
         async for output in self.outputs():
+            last = output
             completion = output.outputs[0]
             text.append(completion.text)
             tokens += completion.token_ids
             if completion.logprobs is not None:
                 logprobs += completion.logprobs
-        has_logprobs = self.prepared.params.logprobs is not None
+        prefix, prefix_logprobs, extra = self._prompt_parts(last) if last else ("", None, {})
+        if self.prepared.discard_output:
+            text, tokens, logprobs = [], [], []
+        shaped = self._logprobs(tokens, logprobs, len(prefix))
         choice = self._choice(
-            "".join(text),
+            prefix + "".join(text),
             tokens,
-            logprobs if has_logprobs else None,
+            joined(prefix_logprobs, shaped) if self.prepared.echo is not None else shaped,
             self.finish_reason,
             chunk=False,
         )
-        return {**self._envelope([choice], chunk=False), "usage": self.usage()}
+        if self.prepared.kind == "completion":
+            choice.update(extra)
+            extra = {}
+        return choice, extra
 
-    async def stream(self) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per engine output, usage if asked, then [DONE]."""
+    async def full_response(self) -> dict:
+        choice, extra = await self.response_parts()
+        return {**self.envelope([choice], chunk=False), **extra, "usage": self.usage()}
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The streamed chunks (without usage and [DONE]); a failure raises."""
         first, offset = True, 0
         if self.prepared.kind == "chat":
-            yield _sse(
-                self._envelope(
-                    [self._choice("", [], None, None, chunk=True, first=True)], chunk=True
-                )
-            )
+            yield self.envelope([self._choice("", [], None, None, chunk=True, first=True)], True)
             first = False
-        try:
-            async for output in self.outputs():
-                completion = output.outputs[0]
-                if not completion.text and not completion.token_ids and not output.finished:
+        started = False
+        async for output in self.outputs():
+            completion = output.outputs[0]
+            text, tokens, logprobs = completion.text, completion.token_ids, completion.logprobs
+            if self.prepared.discard_output:
+                text, tokens, logprobs = "", [], None
+            extra: dict = {}
+            prefix, prefix_logprobs = "", None
+            if not started:
+                # The prompt's part goes with the first output after its prefill (its
+                # logprobs complete), with the first generated text.
+                if not (tokens or text or output.finished):
                     continue
-                choice = self._choice(
-                    completion.text,
-                    completion.token_ids,
-                    completion.logprobs,
-                    completion.finish_reason,
-                    chunk=True,
-                    text_offset=offset,
-                    first=first,
-                )
-                offset += len(completion.text)
-                first = False
-                yield _sse(self._envelope([choice], chunk=True))
-        except Exception as e:  # noqa: BLE001 (a client disconnect is not an Exception)
-            # The stream has begun (status 200 sent): the error is its last event.
-            yield _sse(stream_error(e))
-            yield "data: [DONE]\n\n"
-            return
-        if self.prepared.include_usage:
-            yield _sse({**self._envelope([], chunk=True), "usage": self.usage()})
-        yield "data: [DONE]\n\n"
-
-
-def stream_error(exc: Exception) -> dict:
-    """The error event that ends a stream which failed after its 200, in OpenAI's error
-    schema, with the status the same failure gets without streaming."""
-    if isinstance(exc, ParamError):
-        return error_body(public_message(str(exc)), "invalid_request_error", 400, exc.param)
-    if isinstance(exc, ValueError):  # the core refused the request (RequestRejected)
-        return error_body(public_message(str(exc)), "invalid_request_error", 400)
-    if isinstance(exc, EngineDeadError):
-        return error_body(public_message(str(exc)), "service_unavailable", 503)
-    if isinstance(exc, RequestFailed):
-        return error_body(public_message(str(exc)), "server_error", 502)
-    logger.exception("stream failed")
-    return error_body("internal server error", "server_error", 500)
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+                prefix, prefix_logprobs, extra = self._prompt_parts(output)
+            elif not (text or tokens or output.finished):
+                continue
+            started = True
+            shaped = joined(prefix_logprobs, self._logprobs(tokens, logprobs, offset + len(prefix)))
+            choice = self._choice(
+                prefix + text, tokens, shaped, completion.finish_reason, chunk=True, first=first
+            )
+            offset += len(prefix) + len(text)
+            first = False
+            if self.prepared.kind == "completion":
+                choice.update(extra)
+                extra = {}
+            yield {**self.envelope([choice], chunk=True), **extra}

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.sampling_params import (
+    MAX_COUNT,
     MAX_LOGPROBS,
     ParamError,
     SamplingParams,
@@ -28,9 +29,9 @@ UNSUPPORTED_COMMON = MappingProxyType(
         "frequency_penalty": (None, 0),
     }
 )
-UNSUPPORTED_COMPLETION = MappingProxyType(
-    {"echo": (False,), "best_of": (None, 1), "suffix": (None, "")}
-)
+UNSUPPORTED_COMPLETION = MappingProxyType({"best_of": (None, 1), "suffix": (None, "")})
+# OpenAI's and vLLM's default output limit of a completion that names none.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 UNSUPPORTED_CHAT = MappingProxyType(
     {
         "tools": (None, []),
@@ -75,8 +76,10 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # vLLM's extension: each choice also carries the generated token ids.
+    # vLLM's extensions: each choice also carries the generated token ids; the prompt
+    # tokens' logprobs (with this many top entries; the first is null).
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None
     user: str | None = None
     # Not implemented: refused unless neutral (UNSUPPORTED_COMMON).
     logit_bias: dict[str, float] | None = None
@@ -98,10 +101,18 @@ class SamplingFields(BaseModel):
         return MappingProxyType({})
 
     def to_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, renamed: dict[str, str] | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        renamed: dict[str, str] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Build validated SamplingParams (ParamError names the bad field as the request
-        spelled it: ``renamed`` maps SamplingParams' names to the request's)."""
+        spelled it: ``renamed`` maps SamplingParams' names to the request's);
+        ``prompt_logprobs``: the top entries per prompt token (default: the request's
+        field)."""
+        if prompt_logprobs is None:
+            prompt_logprobs = self.prompt_logprobs
         check_int("n", self.n)
         if self.n != 1:
             raise ParamError("n", f"n must be 1 (parallel sampling is not supported), got {self.n}")
@@ -118,6 +129,7 @@ class SamplingFields(BaseModel):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
             )
@@ -138,8 +150,9 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None)
-    # Not implemented: refused unless neutral (UNSUPPORTED_COMPLETION).
+    # The prompt's text (and with logprobs its tokens' logprobs) before the completion.
     echo: bool = False
+    # Not implemented: refused unless neutral (UNSUPPORTED_COMPLETION).
     best_of: int | None = None
     suffix: str | None = None
 
@@ -147,20 +160,31 @@ class CompletionRequest(SamplingFields):
     def _unsupported() -> MappingProxyType:
         return UNSUPPORTED_COMPLETION
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a list of one prompt is accepted too)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (one, or a list of texts or of token-id lists), each
+        checked; a ParamError names the bad one."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ParamError("prompt", "prompt: only one prompt per request is supported")
-            prompt = prompt[0]
-        if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
-            raise ParamError("prompt", "prompt: a token-id prompt must be a list of integers")
-        if not prompt:
-            raise ParamError("prompt", "prompt is empty")
-        if isinstance(prompt, str):
-            check_text("prompt", prompt)
-        return prompt
+        many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        prompts = list(prompt) if many else [prompt]
+        for i, one in enumerate(prompts):
+            name = f"prompt[{i}]" if many else "prompt"
+            if isinstance(one, list) and not all(isinstance(t, int) for t in one):
+                raise ParamError(name, f"{name}: a token-id prompt must be a list of integers")
+            if not one:
+                raise ParamError(name, f"{name} is empty")
+            if isinstance(one, str):
+                check_text(name, one)
+        return prompts
+
+    def checked_max_tokens(self) -> int:
+        """The output limit (default 16); 0 only with ``echo`` (the prompt scored, nothing
+        generated)."""
+        if self.max_tokens is None:
+            return DEFAULT_COMPLETION_MAX_TOKENS
+        if self.max_tokens == 0 and self.echo:
+            return 0
+        check_int("max_tokens", self.max_tokens, 1, MAX_COUNT)
+        return self.max_tokens
 
     def checked_logprobs(self) -> int | None:
         """The number of top logprobs asked for (None: none)."""

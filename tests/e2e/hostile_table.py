@@ -53,9 +53,11 @@ BOUNDS_COMPLETION = {
             [VOCAB_SIZE - 1],
             ["Hi"],
             [[1, 2]],
+            ["a", "b"],  # several prompts: a choice each
+            [[1], [2]],
             [1] * (MAX_MODEL_LEN - 3),
         ],
-        ["", [], [[]], [""], ["a", "b"], [[1], [2]], [1, "a"], [[1, 2], "a"], [1] * MAX_MODEL_LEN]
+        ["", [], [[]], [""], ["a", ""], [[1], []], [1, "a"], [[1, 2], "a"], [1] * MAX_MODEL_LEN]
         + [[i] for i in OOV_IDS]
         + [[[i]] for i in OOV_IDS[:3]]
         + [[1, i] for i in HUGE_INTS[:2]]

@@ -32,7 +32,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": ""}, "empty"),
     ("completions", {"prompt": []}, "empty"),
     ("completions", {"prompt": [10**9]}, "token ids"),
-    ("completions", {"prompt": ["one", "two"]}, "one prompt"),
+    ("completions", {"prompt": ["one", ""]}, "prompt[1]"),
     ("completions", {"prompt": PROMPT, "stop": [""]}, "stop"),
     ("completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ("completions", {"max_tokens": 4}, "prompt"),

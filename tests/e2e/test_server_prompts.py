@@ -1,0 +1,157 @@
+"""Completions the way evaluation harnesses call them, through the official ``openai``
+client: ``echo`` with and without logprobs (the prompt's logprobs equal the offline API's
+prompt logprobs), ``max_tokens: 0`` to score a prompt, several prompts in one request
+(choices by index, whole and streamed), the default ``max_tokens`` of 16, and vLLM's
+``prompt_logprobs`` field on both endpoints."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from server_helpers import AUTH, MODEL, PROMPT, SHORT_ANSWER_CHAT, greedy
+
+from tandem import SamplingParams
+
+pytestmark = pytest.mark.slow  # a server process for the module
+
+SECOND = "Water boils at"
+
+
+def _prompt_reference(offline, prompt, num_top: int) -> tuple[list[int], list]:
+    """The offline engine's prompt token ids and prompt logprobs (first entry None)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=num_top)
+    output = offline.generate(prompt, params)[0]
+    return output.prompt_token_ids, output.prompt_logprobs
+
+
+def test_echo_returns_the_prompt_before_the_completion(client, offline):
+    expected = greedy(offline, PROMPT, 6).outputs[0].text
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True
+    )
+    assert response.choices[0].text == PROMPT + expected
+    assert response.usage.completion_tokens == 6
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_offline_api_does(client, offline):
+    ids, reference = _prompt_reference(offline, PROMPT, 2)
+    generated = greedy(offline, PROMPT, 3, logprobs=2).outputs[0]
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    lp = response.choices[0].logprobs
+    n = len(ids)
+    assert len(lp.tokens) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, n):
+        assert lp.token_logprobs[i] == pytest.approx(reference[i][ids[i]].logprob, abs=1e-4)
+        assert lp.tokens[i] == reference[i][ids[i]].decoded_token
+        top = sorted((p.logprob for p in reference[i].values() if p.rank <= 2), reverse=True)
+        assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-4)
+    for j, (token, position) in enumerate(
+        zip(generated.token_ids, generated.logprobs, strict=True)
+    ):
+        assert lp.token_logprobs[n + j] == pytest.approx(position[token].logprob, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
+    assert "".join(lp.tokens) == response.choices[0].text
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_without_generating(client, offline):
+    ids, reference = _prompt_reference(offline, {"prompt_token_ids": list(range(20, 40))}, 1)
+    response = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1
+    )
+    choice = response.choices[0]
+    assert choice.text == offline.tokenizer.decode(ids, False)
+    assert len(choice.logprobs.token_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        expected = reference[i][ids[i]].logprob
+        assert choice.logprobs.token_logprobs[i] == pytest.approx(expected, abs=1e-4)
+    assert response.usage.completion_tokens == 0
+    assert choice.finish_reason == "length"
+    # Without echo there is nothing to return: refused, naming the field.
+    response = httpx.post(
+        f"{client.base_url}completions",
+        headers=AUTH,
+        json={"prompt": PROMPT, "max_tokens": 0},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+
+
+def test_several_prompts_get_a_choice_each_in_order(client, offline):
+    texts = [greedy(offline, p, 5).outputs[0].text for p in (PROMPT, SECOND)]
+    response = client.completions.create(
+        model=MODEL, prompt=[PROMPT, SECOND], max_tokens=5, temperature=0
+    )
+    assert [c.index for c in response.choices] == [0, 1]
+    assert [c.text for c in response.choices] == texts
+    ids = [offline.tokenizer.encode(p) for p in (PROMPT, SECOND)]
+    assert response.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert response.usage.completion_tokens == 10
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert [c.text for c in by_ids.choices] == texts
+    # Streamed: each chunk names its choice; each choice's chunks join to its text.
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=[PROMPT, SECOND],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    joined, usage = ["", ""], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            joined[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert joined == texts
+    assert usage.completion_tokens == 10
+
+
+def test_a_bad_prompt_among_several_is_named(client):
+    response = httpx.post(
+        f"{client.base_url}completions",
+        headers=AUTH,
+        json={"prompt": [PROMPT, ""], "max_tokens": 2},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt[1]"
+
+
+def test_completions_default_to_16_tokens(client):
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert response.usage.completion_tokens == 16
+
+
+def test_prompt_logprobs_field_on_both_endpoints(server, client, offline):
+    ids, reference = _prompt_reference(offline, PROMPT, 2)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}
+    data = httpx.post(f"{server}/v1/completions", headers=AUTH, json=body).json()
+    entries = data["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for i in range(1, len(ids)):
+        entry = entries[i][str(ids[i])]
+        assert entry["logprob"] == pytest.approx(reference[i][ids[i]].logprob, abs=1e-4)
+        assert entry["rank"] == reference[i][ids[i]].rank
+        assert all(e["rank"] <= 2 or token == str(ids[i]) for token, e in entries[i].items())
+    chat = {"model": MODEL, "messages": SHORT_ANSWER_CHAT, "max_tokens": 1, "prompt_logprobs": 0}
+    data = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=chat).json()
+    prompt_ids = offline.tokenizer.apply_chat_template(SHORT_ANSWER_CHAT)
+    assert len(data["prompt_logprobs"]) == len(prompt_ids) == data["usage"]["prompt_tokens"]
+    assert data["prompt_logprobs"][0] is None
+    assert all(
+        list(e) == [str(t)]
+        for e, t in zip(data["prompt_logprobs"][1:], prompt_ids[1:], strict=True)
+    )
+    # Streamed: the first chunk carries them.
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", headers=AUTH, json={**body, "stream": True}
+    ) as stream:
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    first = json.loads(events[0])
+    assert len(first["choices"][0]["prompt_logprobs"]) == len(ids)
