@@ -24,7 +24,12 @@ from tandem.server.engine_client import (
 from tandem.server.errors import ApiError, check_model, install_error_handlers
 from tandem.server.guards import default_max_body_bytes, install_guards
 from tandem.server.metrics import ServerMetrics
-from tandem.server.openai_serving import RequestRun, prepare_chat, prepare_completion
+from tandem.server.openai_serving import (
+    RequestRun,
+    make_runs,
+    prepare_chat,
+    prepare_completion,
+)
 from tandem.server.protocol import (
     PREFILL_URL_HEADER,
     ChatCompletionRequest,
@@ -237,12 +242,11 @@ def build_app(
             raise ApiError(400, str(e), param=e.param) from e
         except ValueError as e:  # the tokenizer's (a chat template's) own
             raise ApiError(400, str(e)) from e
-        prepared = prepared if isinstance(prepared, list) else [prepared]
         _check_room(client, len(prepared), max_pending_requests)
         remote = await prefill_addresses.resolve(prefill_url) if prefill_url else None
         for one in prepared:
             one.remote_prefill = remote
-        runs = [RequestRun(one, client, metrics, served_model_name) for one in prepared]
+        runs = make_runs(prepared, client, metrics, served_model_name)
         return await prefill_addresses.watch(prefill_url, _respond(runs, request))
 
     @app.post("/v1/completions")

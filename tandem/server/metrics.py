@@ -65,6 +65,13 @@ class ServerMetrics:
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
             )
         )
+        # The prefix cache (totals, in tokens): prompt tokens looked up and found cached.
+        self.prefix = self._gauges(
+            (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+            )
+        )
         # PD disaggregation (totals mirrored from the engine core of a prefill or decode
         # instance; absent on a mixed one).
         self.pd = self._gauges(
@@ -97,6 +104,7 @@ class ServerMetrics:
             self.kv_free,
             self.kv_total,
             *self.spec.values(),
+            *self.prefix.values(),
             *self.pd.values(),
             self.spec_per_pos,
         )
@@ -127,7 +135,7 @@ class ServerMetrics:
             self.kv_usage.labels(name).set(stats.get("kv_cache_usage", 0.0))
             self.kv_free.labels(name).set(stats.get("num_free_kv_blocks", 0))
             self.kv_total.labels(name).set(stats.get("num_kv_blocks", 0))
-            for key, gauge in self.spec.items():
+            for key, gauge in (*self.spec.items(), *self.prefix.items()):
                 gauge.labels(name).set(stats.get(key, 0))
             for key, gauge in self.pd.items():
                 if key in stats:

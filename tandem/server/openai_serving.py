@@ -3,12 +3,14 @@ OpenAI responses, whole or as server-sent events."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from copy import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tandem.outputs import PositionLogprobs, RequestOutput
 from tandem.sampling_params import ParamError, SamplingParams
@@ -51,6 +53,8 @@ class PreparedRequest:
     discard_output: bool = False
     # vLLM's ``prompt_logprobs`` field: the top entries per prompt token (None: not asked).
     prompt_logprobs: int | None = None
+    # ``n`` > 1: the run (of this request) whose prefill this sample waits for.
+    waits_for: int | None = None
 
 
 def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> list[PreparedRequest]:
@@ -84,16 +88,54 @@ def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> li
             prepared.echo = text if text is not None else client.tokenizer.decode(token_ids, False)
         prepared.discard_output = max_tokens == 0
         prepared.prompt_logprobs = body.prompt_logprobs
-        prepared.index = index
         runs.append(prepared)
+    return _fan_out(runs, body.n)
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample ``sample`` (of ``n``) of a request seeded with ``seed``: the
+    request's own for the first, a hash of both for the others; None stays None (each
+    sample then gets its own seed from the engine)."""
+    if seed is None or sample == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _fan_out(prepared: list[PreparedRequest], n: int) -> list[PreparedRequest]:
+    """``n`` samples of each prompt's run: choice ``prompt * n + sample``, each an engine
+    request ``<response id>-<choice>`` when there are several. A sample after its prompt's
+    first waits for the first's prefill (``waits_for``), so that it finds the prompt's blocks
+    in the prefix cache: the prompt is prefilled once."""
+    runs: list[PreparedRequest] = []
+    for prompt_index, first in enumerate(prepared):
+        first_run = len(runs)
+        for sample in range(n):
+            one = first
+            if sample:
+                params = replace(first.params, seed=sample_seed(first.params.seed, sample))
+                one = replace(first, params=params, waits_for=first_run)
+            one.index = prompt_index * n + sample
+            runs.append(one)
     if len(runs) > 1:
-        for prepared in runs:
-            prepared.request_id = f"{runs[0].response_id}-{prepared.index}"
-            prepared.response_id = runs[0].response_id
+        response_id = runs[0].response_id
+        for one in runs:
+            one.request_id, one.response_id = f"{response_id}-{one.index}", response_id
     return runs
 
 
-def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> PreparedRequest:
+def make_runs(
+    prepared: list[PreparedRequest], client, metrics: ServerMetrics, model_name: str
+) -> list[RequestRun]:
+    """The runs of one request's prepared parts, each sample linked to its prompt's first."""
+    runs = [RequestRun(one, client, metrics, model_name) for one in prepared]
+    for run in runs:
+        if run.prepared.waits_for is not None:
+            run.after = runs[run.prepared.waits_for]
+    return runs
+
+
+def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> list[PreparedRequest]:
     """A validated chat request (ParamError names a bad field; a prompt problem names
     ``messages``)."""
     body.check_supported()
@@ -107,7 +149,7 @@ def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> Prep
     try:
         prepared = _prepared("chat", None, token_ids, params, body, client)
         prepared.prompt_logprobs = body.prompt_logprobs
-        return prepared
+        return _fan_out([prepared], body.n)
     except ParamError as e:
         if e.param != "prompt":
             raise
@@ -149,8 +191,21 @@ class RequestRun:
         self.model_name = model_name
         self.num_generated = 0
         self.finish_reason: str | None = None
+        # ``n`` > 1: the run whose first output (its prefill done) this one waits for.
+        self.after: RequestRun | None = None
+        self.started = asyncio.Event()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            if self.after is not None:
+                await self.after.started.wait()
+            async for output in self._outputs():
+                self.started.set()
+                yield output
+        finally:
+            self.started.set()  # a failed or cancelled run holds no sibling back
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
         p = self.prepared
         start = time.monotonic()
         last = start

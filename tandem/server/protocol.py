@@ -30,6 +30,8 @@ UNSUPPORTED_COMMON = MappingProxyType(
     }
 )
 UNSUPPORTED_COMPLETION = MappingProxyType({"best_of": (None, 1), "suffix": (None, "")})
+# The most samples one request may ask for (``n``): each is an engine request.
+MAX_N = 128
 # OpenAI's and vLLM's default output limit of a completion that names none.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 UNSUPPORTED_CHAT = MappingProxyType(
@@ -113,9 +115,7 @@ class SamplingFields(BaseModel):
         field)."""
         if prompt_logprobs is None:
             prompt_logprobs = self.prompt_logprobs
-        check_int("n", self.n)
-        if self.n != 1:
-            raise ParamError("n", f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        check_int("n", self.n, 1, MAX_N)
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,

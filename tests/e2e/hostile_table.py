@@ -36,7 +36,7 @@ BOUNDS = {
     "min_p": ([0, 0.5, 1], [-1e-9, 1.0000001]),
     "seed": ([0, -1, I64 - 1, -I64], []),
     "min_tokens": ([0, 1, 2], [-1, 3, MAX_COUNT + 1]),
-    "n": ([1], [0, 2, -1]),
+    "n": ([1, 2], [0, -1, 129]),
     "stop": (["x", ["a", "b"], [], None, "\x00"], ["", [""], [1], SURROGATES[0], [SURROGATES[1]]]),
     "stop_token_ids": ([[0], [VOCAB_SIZE - 1], [], None], [[i] for i in OOV_IDS] + [[1.0]]),
     "user": (["u", ""], SURROGATES),

@@ -103,8 +103,8 @@ def check_error(body: dict, status: int, param: str | None) -> None:
 
 
 def _check_choice(path: str, choice: dict, chunk: bool) -> None:
-    # Completions with several prompts answer a choice per prompt, by index.
-    assert choice["index"] == 0 or (path == COMPLETIONS and 0 < choice["index"] < 2)
+    # Several prompts or samples (n) answer a choice each, by index (at most 2 here).
+    assert choice["index"] in (0, 1)
     if path == COMPLETIONS:
         assert isinstance(choice["text"], str)
     elif chunk:

@@ -2,7 +2,8 @@
 client: ``echo`` with and without logprobs (the prompt's logprobs equal the offline API's
 prompt logprobs), ``max_tokens: 0`` to score a prompt, several prompts in one request
 (choices by index, whole and streamed), the default ``max_tokens`` of 16, and vLLM's
-``prompt_logprobs`` field on both endpoints."""
+``prompt_logprobs`` field on both endpoints; ``n`` samples per prompt (the prompt
+prefilled once: the prefix cache's counters; seeded samples reproducible)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from server_helpers import AUTH, MODEL, PROMPT, SHORT_ANSWER_CHAT, greedy
+from server_helpers import AUTH, MODEL, PROMPT, SHORT_ANSWER_CHAT, greedy, wait_until_idle
 
 from tandem import SamplingParams
 
@@ -76,6 +77,7 @@ def test_max_tokens_0_with_echo_scores_the_prompt_without_generating(client, off
         f"{client.base_url}completions",
         headers=AUTH,
         json={"prompt": PROMPT, "max_tokens": 0},
+        timeout=120,
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_tokens"
@@ -116,6 +118,7 @@ def test_a_bad_prompt_among_several_is_named(client):
         f"{client.base_url}completions",
         headers=AUTH,
         json={"prompt": [PROMPT, ""], "max_tokens": 2},
+        timeout=120,
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt[1]"
@@ -131,7 +134,7 @@ def test_completions_default_to_16_tokens(client):
 def test_prompt_logprobs_field_on_both_endpoints(server, client, offline):
     ids, reference = _prompt_reference(offline, PROMPT, 2)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}
-    data = httpx.post(f"{server}/v1/completions", headers=AUTH, json=body).json()
+    data = httpx.post(f"{server}/v1/completions", headers=AUTH, json=body, timeout=120).json()
     entries = data["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(ids)
     for i in range(1, len(ids)):
@@ -140,7 +143,7 @@ def test_prompt_logprobs_field_on_both_endpoints(server, client, offline):
         assert entry["rank"] == reference[i][ids[i]].rank
         assert all(e["rank"] <= 2 or token == str(ids[i]) for token, e in entries[i].items())
     chat = {"model": MODEL, "messages": SHORT_ANSWER_CHAT, "max_tokens": 1, "prompt_logprobs": 0}
-    data = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=chat).json()
+    data = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=chat, timeout=120).json()
     prompt_ids = offline.tokenizer.apply_chat_template(SHORT_ANSWER_CHAT)
     assert len(data["prompt_logprobs"]) == len(prompt_ids) == data["usage"]["prompt_tokens"]
     assert data["prompt_logprobs"][0] is None
@@ -150,8 +153,47 @@ def test_prompt_logprobs_field_on_both_endpoints(server, client, offline):
     )
     # Streamed: the first chunk carries them.
     with httpx.stream(
-        "POST", f"{server}/v1/completions", headers=AUTH, json={**body, "stream": True}
+        "POST", f"{server}/v1/completions", headers=AUTH, json={**body, "stream": True}, timeout=120
     ) as stream:
         events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
     first = json.loads(events[0])
     assert len(first["choices"][0]["prompt_logprobs"]) == len(ids)
+
+
+def test_n_samples_share_the_prompts_prefill_and_reproduce_with_a_seed(server, client, offline):
+    prompt = list(range(300, 348))  # 48 tokens: 3 full blocks, in no earlier request
+    before = wait_until_idle(server)
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, n=3
+    )
+    after = wait_until_idle(server)
+    expected = greedy(offline, {"prompt_token_ids": prompt}, 4).outputs[0].text
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert [c.text for c in response.choices] == [expected] * 3
+    assert response.usage.completion_tokens == 12 and response.usage.prompt_tokens == 3 * 48
+    # The second and third sample found the first's full blocks (all but the last token's).
+    key = "tandem:prefix_cache_hits"
+    hits = after[key] - before.get(key, 0.0)
+    assert hits >= 2 * 32, hits
+    # Seeded sampling: reproducible, the first sample is the request's own seed's.
+    seeded = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    first = client.completions.create(**seeded, n=4)
+    again = client.completions.create(**seeded, n=4)
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1, texts
+    assert client.completions.create(**seeded).choices[0].text == texts[0]
+    # With several prompts: choice prompt * n + sample; streamed by index too.
+    both = client.completions.create(
+        model=MODEL, prompt=[PROMPT, SECOND], max_tokens=3, temperature=0, n=2
+    )
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.choices[0].text == both.choices[1].text != both.choices[2].text
+    stream = client.chat.completions.create(
+        model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=3, temperature=0, n=2, stream=True
+    )
+    joined = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            joined[choice.index] += choice.delta.content or ""
+    assert joined[0] == joined[1] != ""

@@ -145,7 +145,7 @@ COMPLETION_CASES = [
     *[({"max_tokens": v}, "max_tokens") for v in [*HUGE_INTS, 0, -1]],
     *[({"min_tokens": v}, "min_tokens") for v in [*HUGE_INTS, -1]],
     *[({"logprobs": v}, "logprobs") for v in [*HUGE_INTS, -1, 21]],
-    *[({"n": v}, "n") for v in [*HUGE_INTS, 0, 2]],
+    *[({"n": v}, "n") for v in [*HUGE_INTS, 0, -1, 129]],
     *[({"stop_token_ids": [v]}, "stop_token_ids") for v in [*HUGE_INTS, -1, VOCAB]],
     *[({"temperature": v}, "temperature") for v in [1e-45, -1, "hot"]],
     ({"top_p": 0}, "top_p"),
