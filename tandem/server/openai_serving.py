@@ -55,6 +55,11 @@ class PreparedRequest:
     prompt_logprobs: int | None = None
     # ``n`` > 1: the run (of this request) whose prefill this sample waits for.
     waits_for: int | None = None
+    # ``best_of`` > n: the samples per prompt are ranked and this many kept; the engine
+    # computes logprobs for the ranking that the response leaves out (``hide_logprobs``).
+    keep_best: int | None = None
+    hide_logprobs: bool = False
+    samples: int = 1  # the samples drawn per prompt (``n``, or ``best_of``)
 
 
 def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> list[PreparedRequest]:
@@ -69,8 +74,12 @@ def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> li
     if body.echo and logprobs is not None:
         wanted.append(logprobs)
     wanted = [n for n in wanted if n is not None]
+    best_of = body.checked_best_of()
+    ranked = best_of > body.n
+    # Ranking samples needs their cumulative logprobs: asked of the engine, not returned.
+    engine_logprobs = 0 if ranked and logprobs is None else logprobs
     params = body.to_sampling_params(
-        max(max_tokens, 1), logprobs, prompt_logprobs=max(wanted) if wanted else None
+        max(max_tokens, 1), engine_logprobs, prompt_logprobs=max(wanted) if wanted else None
     )
     runs = []
     for index, prompt in enumerate(prompts):
@@ -88,8 +97,10 @@ def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> li
             prepared.echo = text if text is not None else client.tokenizer.decode(token_ids, False)
         prepared.discard_output = max_tokens == 0
         prepared.prompt_logprobs = body.prompt_logprobs
+        prepared.hide_logprobs = logprobs is None
+        prepared.keep_best = body.n if ranked else None
         runs.append(prepared)
-    return _fan_out(runs, body.n)
+    return _fan_out(runs, best_of)
 
 
 def sample_seed(seed: int | None, sample: int) -> int | None:
@@ -115,7 +126,7 @@ def _fan_out(prepared: list[PreparedRequest], n: int) -> list[PreparedRequest]:
             if sample:
                 params = replace(first.params, seed=sample_seed(first.params.seed, sample))
                 one = replace(first, params=params, waits_for=first_run)
-            one.index = prompt_index * n + sample
+            one.index, one.samples = prompt_index * n + sample, n
             runs.append(one)
     if len(runs) > 1:
         response_id = runs[0].response_id
@@ -194,6 +205,7 @@ class RequestRun:
         # ``n`` > 1: the run whose first output (its prefill done) this one waits for.
         self.after: RequestRun | None = None
         self.started = asyncio.Event()
+        self.cumulative_logprob: float | None = None  # of the whole response (best_of)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -261,7 +273,7 @@ class RequestRun:
 
     def _logprobs(self, tokens: list[int], logprobs: list[PositionLogprobs] | None, offset: int):
         num_top = self.prepared.params.logprobs
-        if logprobs is None or num_top is None:
+        if logprobs is None or num_top is None or self.prepared.hide_logprobs:
             return None
         if self.prepared.kind == "chat":
             return chat_logprobs(tokens, logprobs, num_top)
@@ -314,6 +326,7 @@ class RequestRun:
         async for output in self.outputs():
             last = output
             completion = output.outputs[0]
+            self.cumulative_logprob = completion.cumulative_logprob
             text.append(completion.text)
             tokens += completion.token_ids
             if completion.logprobs is not None:

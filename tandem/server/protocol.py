@@ -29,7 +29,7 @@ UNSUPPORTED_COMMON = MappingProxyType(
         "frequency_penalty": (None, 0),
     }
 )
-UNSUPPORTED_COMPLETION = MappingProxyType({"best_of": (None, 1), "suffix": (None, "")})
+UNSUPPORTED_COMPLETION = MappingProxyType({"suffix": (None, "")})
 # The most samples one request may ask for (``n``): each is an engine request.
 MAX_N = 128
 # OpenAI's and vLLM's default output limit of a completion that names none.
@@ -152,8 +152,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None)
     # The prompt's text (and with logprobs its tokens' logprobs) before the completion.
     echo: bool = False
-    # Not implemented: refused unless neutral (UNSUPPORTED_COMPLETION).
+    # Samples per prompt of which the ``n`` with the highest cumulative logprob are returned.
     best_of: int | None = None
+    # Not implemented: refused unless neutral (UNSUPPORTED_COMPLETION).
     suffix: str | None = None
 
     @staticmethod
@@ -175,6 +176,18 @@ class CompletionRequest(SamplingFields):
             if isinstance(one, str):
                 check_text(name, one)
         return prompts
+
+    def checked_best_of(self) -> int:
+        """How many samples to draw per prompt: ``best_of`` (n to 128; not with stream),
+        else ``n``."""
+        if self.best_of is None:
+            return self.n
+        check_int("best_of", self.best_of, 1, MAX_N)
+        if self.best_of < self.n:
+            raise ParamError("best_of", f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if self.stream and self.best_of > self.n:
+            raise ParamError("best_of", "best_of > n cannot be used with stream")
+        return self.best_of
 
     def checked_max_tokens(self) -> int:
         """The output limit (default 16); 0 only with ``echo`` (the prompt scored, nothing

@@ -67,7 +67,24 @@ async def full_response(runs: list[RequestRun]) -> dict:
         return await runs[0].full_response()
     parts = await asyncio.gather(*(run.response_parts() for run in runs))
     choices = sorted((choice for choice, _ in parts), key=lambda c: c["index"])
+    keep = runs[0].prepared.keep_best
+    if keep is not None:
+        choices = best_choices(runs, [choice for choice, _ in parts], keep)
     return {**runs[0].envelope(choices, chunk=False), "usage": summed_usage(runs)}
+
+
+def best_choices(runs: list[RequestRun], choices: list[dict], keep: int) -> list[dict]:
+    """``best_of``: of each prompt's samples (consecutive runs), the ``keep`` with the
+    highest cumulative logprob, best first, renumbered ``prompt * keep + rank``."""
+    per_prompt = runs[0].prepared.samples
+    best = []
+    for start in range(0, len(runs), per_prompt):
+        end = start + per_prompt
+        group = list(zip(runs[start:end], choices[start:end], strict=True))
+        group.sort(key=lambda pair: -(pair[0].cumulative_logprob or 0.0))
+        for rank, (_, choice) in enumerate(group[:keep]):
+            best.append({**choice, "index": start // per_prompt * keep + rank})
+    return best
 
 
 def stream_error(exc: Exception) -> dict:

@@ -197,3 +197,28 @@ def test_n_samples_share_the_prompts_prefill_and_reproduce_with_a_seed(server, c
         for choice in chunk.choices:
             joined[choice.index] += choice.delta.content or ""
     assert joined[0] == joined[1] != ""
+
+
+def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob(client):
+    seeded = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    drawn = client.completions.create(**seeded, n=3, logprobs=0)
+    totals = [sum(c.logprobs.token_logprobs) for c in drawn.choices]
+    ranked = [
+        c.text for _, c in sorted(zip(totals, drawn.choices, strict=True), key=lambda p: -p[0])
+    ]
+    best = client.completions.create(**seeded, best_of=3)
+    assert [c.text for c in best.choices] == ranked[:1]
+    assert best.choices[0].logprobs is None  # ranked by logprobs it did not ask for
+    assert best.usage.completion_tokens == drawn.usage.completion_tokens  # every sample counts
+    two = client.completions.create(**seeded, best_of=3, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == ranked[:2]
+    for bad in ({"best_of": 1, "n": 2}, {"best_of": 3, "stream": True}, {"best_of": 129}):
+        response = httpx.post(
+            f"{client.base_url}completions",
+            headers=AUTH,
+            json={"prompt": PROMPT, "max_tokens": 2, **bad},
+            timeout=120,
+        )
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["param"] == "best_of", bad
