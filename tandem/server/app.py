@@ -174,7 +174,15 @@ def _check_admission(
 
 
 def _check_room(client: AsyncEngineClient, num_runs: int, max_pending: int) -> None:
-    """Refuse a request whose prompts would take the engine over its request limit."""
+    """Refuse a request whose prompts and samples would take the engine over its request
+    limit: a 400 if they never fit, else a 503 (retry later)."""
+    if num_runs > max_pending:
+        raise ApiError(
+            400,
+            f"the request asks for {num_runs} sequences (prompts x n or best_of), over this "
+            f"server's limit of {max_pending}",
+            param="n",
+        )
     if client.num_active_requests + num_runs > max_pending:
         raise ApiError(503, "server is over its request limit; retry later", "service_unavailable")
 

@@ -29,6 +29,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("completions", {"prompt": PROMPT, "n": 129}, "n"),
+    ("completions", {"prompt": [PROMPT] * 9, "n": 128}, "limit of 1024"),
     ("completions", {"prompt": [42] * 9000}, "context"),
     ("completions", {"prompt": ""}, "empty"),
     ("completions", {"prompt": []}, "empty"),
