@@ -17,7 +17,9 @@ def completion_logprobs(
     tokens: list[int], positions: list[PositionLogprobs], num_top: int, text_offset: int
 ) -> dict:
     """OpenAI's completions form for generated tokens: ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (null when ``num_top`` is 0) and ``text_offset`` (from ``text_offset``)."""
+    ``top_logprobs`` (the top ``num_top`` and the chosen token, as OpenAI and vLLM return
+    them: up to ``num_top + 1`` entries; null when ``num_top`` is 0) and ``text_offset``
+    (from ``text_offset``)."""
     result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
     for token, position in zip(tokens, positions, strict=True):
@@ -25,6 +27,7 @@ def completion_logprobs(
         result["tokens"].append(chosen.decoded_token)
         result["token_logprobs"].append(chosen.logprob)
         top = {lp.decoded_token: lp.logprob for _, lp in _top(position, num_top)}
+        top.setdefault(chosen.decoded_token, chosen.logprob)
         result["top_logprobs"].append(top if num_top else None)
         result["text_offset"].append(offset)
         offset += len(chosen.decoded_token)

@@ -339,7 +339,7 @@ class RequestRun:
             prefix + "".join(text),
             tokens,
             joined(prefix_logprobs, shaped) if self.prepared.echo is not None else shaped,
-            self.finish_reason,
+            "length" if self.prepared.discard_output else self.finish_reason,
             chunk=False,
         )
         if self.prepared.kind == "completion":
@@ -375,9 +375,10 @@ class RequestRun:
                 continue
             started = True
             shaped = joined(prefix_logprobs, self._logprobs(tokens, logprobs, offset + len(prefix)))
-            choice = self._choice(
-                prefix + text, tokens, shaped, completion.finish_reason, chunk=True, first=first
-            )
+            finish = completion.finish_reason
+            if finish is not None and self.prepared.discard_output:
+                finish = "length"  # max_tokens 0: the limit, whatever ended the one token
+            choice = self._choice(prefix + text, tokens, shaped, finish, chunk=True, first=first)
             offset += len(prefix) + len(text)
             first = False
             if self.prepared.kind == "completion":

@@ -49,7 +49,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_offline_api_does(client, of
     for i in range(1, n):
         assert lp.token_logprobs[i] == pytest.approx(reference[i][ids[i]].logprob, abs=1e-4)
         assert lp.tokens[i] == reference[i][ids[i]].decoded_token
-        top = sorted((p.logprob for p in reference[i].values() if p.rank <= 2), reverse=True)
+        # The top 2 and the prompt's own token (OpenAI's up to logprobs + 1 entries).
+        kept = [p for t, p in reference[i].items() if p.rank <= 2 or t == ids[i]]
+        top = sorted((p.logprob for p in kept), reverse=True)
         assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-4)
     for j, (token, position) in enumerate(
         zip(generated.token_ids, generated.logprobs, strict=True)
