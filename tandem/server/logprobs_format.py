@@ -43,14 +43,10 @@ def echoed_prompt_logprobs(
     """The completions form for an echoed prompt: its first token has no logprob (nothing
     precedes it: ``null`` entries, its text ``first_token_text``), every later one the
     engine's prompt logprob; offsets from 0."""
-    result = completion_logprobs(prompt_token_ids[1:], positions[1:], num_top, 0)
-    shift = len(first_token_text)
-    return {
-        "tokens": [first_token_text, *result["tokens"]],
-        "token_logprobs": [None, *result["token_logprobs"]],
-        "top_logprobs": [None, *result["top_logprobs"]],
-        "text_offset": [0, *(offset + shift for offset in result["text_offset"])],
-    }
+    first = {"tokens": [first_token_text], "token_logprobs": [None], "top_logprobs": [None]}
+    first["text_offset"] = [0]
+    rest = completion_logprobs(prompt_token_ids[1:], positions[1:], num_top, len(first_token_text))
+    return joined(first, rest)
 
 
 def joined(first: dict | None, second: dict | None) -> dict | None:

@@ -245,7 +245,7 @@ class RequestRun:
 
     @property
     def response_id(self) -> str:
-        return self.prepared.response_id or self.prepared.request_id
+        return self.prepared.response_id
 
     def usage(self) -> dict:
         prompt_tokens = len(self.prepared.prompt_token_ids)
@@ -298,6 +298,11 @@ class RequestRun:
             )
         return text, logprobs, extra
 
+    def _finish(self, reason: str | None) -> str | None:
+        """The finish reason to report: with ``max_tokens: 0`` (one token generated and
+        dropped) the limit, whatever ended that token."""
+        return "length" if reason is not None and self.prepared.discard_output else reason
+
     def _choice(
         self, text, tokens, logprobs, finish_reason, chunk: bool, first: bool = False
     ) -> dict:
@@ -339,7 +344,7 @@ class RequestRun:
             prefix + "".join(text),
             tokens,
             joined(prefix_logprobs, shaped) if self.prepared.echo is not None else shaped,
-            "length" if self.prepared.discard_output else self.finish_reason,
+            self._finish(self.finish_reason),
             chunk=False,
         )
         if self.prepared.kind == "completion":
@@ -375,9 +380,7 @@ class RequestRun:
                 continue
             started = True
             shaped = joined(prefix_logprobs, self._logprobs(tokens, logprobs, offset + len(prefix)))
-            finish = completion.finish_reason
-            if finish is not None and self.prepared.discard_output:
-                finish = "length"  # max_tokens 0: the limit, whatever ended the one token
+            finish = self._finish(completion.finish_reason)
             choice = self._choice(prefix + text, tokens, shaped, finish, chunk=True, first=first)
             offset += len(prefix) + len(text)
             first = False

@@ -155,17 +155,7 @@ class ModelRunner:
                 self.device,
             )
             self.graphs.capture()
-            self.ragged_graphs = RaggedGraphRunner(
-                self.model,
-                self.kv_caches,
-                self.backend,
-                self.block_size,
-                max_model_len,
-                self.config.scheduler.max_num_seqs,
-                self.config.scheduler.max_num_batched_tokens,
-                (self._input_ids, self._positions, self._slots),
-                num_blocks,
-            )
+            self.ragged_graphs = RaggedGraphRunner(self)
             self.ragged_graphs.capture()
             if self.mtp_head is not None and k > 1:
                 self.proposer.graphs = DraftGraphRunner(
@@ -186,6 +176,11 @@ class ModelRunner:
     def kv_caches_with_mtp(self) -> list[torch.Tensor]:
         """Every layer's KV cache: the target's, then the MTP head's (what PD hands over)."""
         return self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else [])
+
+    @property
+    def token_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's token ids, positions and KV slots (``max_num_batched_tokens`` long)."""
+        return self._input_ids, self._positions, self._slots
 
     @property
     def uses_cuda_graphs(self) -> bool:

@@ -33,11 +33,7 @@ import torch
 
 from tandem.device_copy import copy_to
 from tandem.layers.attention import query_start_locations
-from tandem.layers.triton_attention import (
-    TritonAttentionBackend,
-    TritonAttentionMetadata,
-    block_table_array,
-)
+from tandem.layers.triton_attention import TritonAttentionMetadata, block_table_array
 from tandem.worker.cuda_graphs import capture_graph, capture_stream
 
 SMALLEST_SIZE = 16
@@ -65,42 +61,32 @@ class RaggedBatch:
 
 
 class RaggedGraphRunner:
-    """Captures and replays the model's forward for ragged batches (module docstring).
+    """Captures and replays the model's forward for ragged batches (module docstring) of
+    ``runner`` (a ModelRunner whose KV cache is allocated): its model, cache, attention
+    backend and scratch block, its scheduler limits, and its token buffers (``input_ids``,
+    ``positions``, ``slots``: the runner writes a step's tokens there, this class pads them)."""
 
-    ``input_ids``, ``positions`` and ``slots`` are the model runner's token buffers (at least
-    ``max_tokens`` long): the runner writes a step's tokens there, this class pads them."""
-
-    def __init__(
-        self,
-        model,
-        kv_caches: list[torch.Tensor],
-        backend: TritonAttentionBackend,
-        block_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_tokens: int,
-        buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        scratch_block: int,
-    ):
-        self.model = model
-        self.kv_caches = kv_caches
-        self.backend = backend
-        self.block_size = block_size
-        self.max_rows = max_num_seqs
+    def __init__(self, runner):
+        self.model = runner.model
+        self.kv_caches = runner.kv_caches
+        self.backend = runner.backend
+        self.block_size = block_size = runner.block_size
+        scheduler = runner.config.scheduler
+        self.max_rows = scheduler.max_num_seqs
+        max_tokens = scheduler.max_num_batched_tokens
         self.sizes = ragged_token_sizes(max_tokens)
-        self.input_ids, self.positions, self.slots = buffers
+        self.input_ids, self.positions, self.slots = runner.token_buffers
         device = self.input_ids.device
-        self.width = -(-max_model_len // block_size)
+        self.width = -(-runner.max_model_len // block_size)
         self.query_starts = torch.zeros(self.max_rows + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(self.max_rows, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(
             (self.max_rows, self.width), dtype=torch.int32, device=device
         )
         # Padding tokens' slots: the scratch block, position by position.
+        scratch = runner.scratch_block * block_size
         self.scratch_slots = torch.tensor(
-            [scratch_block * block_size + j % block_size for j in range(max_tokens)],
-            dtype=torch.long,
-            device=device,
+            [scratch + j % block_size for j in range(max_tokens)], dtype=torch.long, device=device
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0

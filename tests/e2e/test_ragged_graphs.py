@@ -38,18 +38,7 @@ def _engine(with_graph: bool, **engine) -> LLM:
         **engine,
     )
     if with_graph:
-        runner = llm.engine.runner
-        runner.ragged_graphs = RaggedGraphRunner(
-            runner.model,
-            runner.kv_caches,
-            runner.backend,
-            runner.block_size,
-            runner.max_model_len,
-            4,
-            MAX_TOKENS,
-            (runner._input_ids, runner._positions, runner._slots),
-            runner.scratch_block,
-        )
+        llm.engine.runner.ragged_graphs = RaggedGraphRunner(llm.engine.runner)
     return llm
 
 
@@ -98,17 +87,7 @@ def test_the_ragged_graph_function_gives_the_eager_forwards_outputs(interpreter,
 def test_padded_size_refuses_what_no_graph_holds(interpreter):  # noqa: F811
     llm = _engine(False)
     runner = llm.engine.runner
-    ragged = RaggedGraphRunner(
-        runner.model,
-        runner.kv_caches,
-        runner.backend,
-        runner.block_size,
-        runner.max_model_len,
-        4,
-        MAX_TOKENS,
-        (runner._input_ids, runner._positions, runner._slots),
-        runner.scratch_block,
-    )
+    ragged = RaggedGraphRunner(runner)
     llm.engine.shutdown()
     assert ragged.padded_size(RaggedBatch([3, 1], [3, 9], [[0], [1]])) == 16
     assert ragged.padded_size(RaggedBatch([17], [17], [[0, 1]])) == 32
@@ -118,13 +97,13 @@ def test_padded_size_refuses_what_no_graph_holds(interpreter):  # noqa: F811
     too_long = runner.max_model_len + runner.block_size
     assert ragged.padded_size(RaggedBatch([1], [too_long], [[0]])) is None
     # The graph's inputs: real rows first, then rows of no query; padding on the scratch.
-    runner._slots[:MAX_TOKENS].fill_(-7)
+    ragged.slots[:MAX_TOKENS].fill_(-7)
     ragged.prepare(RaggedBatch([3, 1], [3, 9], [[5], [6]]), 16)
     assert ragged.query_starts.tolist() == [0, 3, 4, 4, 4]
     assert ragged.seq_lens.tolist() == [3, 9, 0, 0]
     scratch = runner.scratch_block * runner.block_size
-    assert runner._slots[4:16].tolist() == [scratch + j for j in range(12)]
-    assert runner._slots[16:MAX_TOKENS].tolist() == [-7] * (MAX_TOKENS - 16)
+    assert ragged.slots[4:16].tolist() == [scratch + j for j in range(12)]
+    assert ragged.slots[16:MAX_TOKENS].tolist() == [-7] * (MAX_TOKENS - 16)
     assert torch.equal(
         ragged.block_tables[:2, :1].cpu(), torch.tensor([[5], [6]], dtype=torch.int32)
     )
