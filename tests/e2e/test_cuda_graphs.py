@@ -82,8 +82,11 @@ def test_graphs_match_eager_and_hf_on_cuda(engine):
     _, eager, eager_replays, _, eager_drafting = _run(ENGINES[engine], enforce_eager=True)
     assert replays >= MAX_TOKENS // 4, f"only {replays} graph replays: graphs were not used"
     assert eager_replays == 0
-    # Prefill chunks (some beside decode rows) replayed as ragged graphs.
-    assert drafting["ragged_replays"] >= 4 and eager_drafting["ragged_replays"] == 0
+    # Prefill chunks (some beside decode rows) replayed as ragged graphs: every step that
+    # carries a prompt chunk is ragged, and the prompts need at least this many 512-token steps.
+    prompt_steps = -(-sum(map(len, prompts)) // 512)
+    assert prompt_steps >= 2 and drafting["ragged_replays"] >= prompt_steps
+    assert eager_drafting["ragged_replays"] == 0
     if engine == "mtp":  # later draft depths replayed too, and drafted as well as eagerly
         assert drafting["draft_replays"] >= MAX_TOKENS // 4
         assert eager_drafting["draft_replays"] == 0
