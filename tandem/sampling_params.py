@@ -13,6 +13,12 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_COUNT = (1 << 31) - 1
 # A nonzero temperature below this divides logits into inf/NaN (denormals do).
 MIN_TEMPERATURE = 1e-5
+# OpenAI's ranges: presence and frequency penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+# A repetition penalty (vLLM's; 1 is off) divides or multiplies logits: kept in a range
+# that cannot turn them into inf or 0.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class ParamError(ValueError):
@@ -70,6 +76,10 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == -1`` (or 0) disables top-k.
     ``logprobs=N`` returns the N most likely tokens per generated token, plus the sampled
     token's own logprob, which is always present; ``logprobs=0`` returns only the latter.
+    ``logit_bias`` (token id -> bias) and the penalties change the logits a token is
+    chosen from (greedy too), as vLLM applies them: the bias first, then the repetition
+    penalty over the prompt's and the output's tokens, then frequency and presence over the
+    output's; logprobs stay the raw ones.
     """
 
     temperature: float = 1.0
@@ -82,6 +92,10 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -100,6 +114,8 @@ class SamplingParams:
             setattr(self, name, list(value or []))
         if self.top_k == 0:
             self.top_k = -1
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ParamError("logit_bias", "logit_bias must be a map of token ids to numbers")
         self._validate()
 
     def _validate(self) -> None:
@@ -108,7 +124,14 @@ class SamplingParams:
         def fail(name: str, why: str) -> None:
             raise ParamError(name, f"{name} {why}, got {_shown(getattr(self, name))}")
 
-        for name in ("temperature", "top_p", "min_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             setattr(self, name, _finite_float(name, getattr(self, name)))
         if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
             fail("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE}")
@@ -116,6 +139,7 @@ class SamplingParams:
             fail("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
+        self._validate_penalties()
         check_int("top_k", self.top_k, -1)
         if self.seed is not None:
             check_int("seed", self.seed)
@@ -132,6 +156,21 @@ class SamplingParams:
                 fail(name, "must be a boolean")
         self._validate_lists()
 
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ParamError(
+                    name, f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {_shown(value)}"
+                )
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ParamError(
+                "repetition_penalty",
+                f"repetition_penalty must be in [{low}, {high}],"
+                f" got {_shown(self.repetition_penalty)}",
+            )
+
     def _validate_lists(self) -> None:
         for stop in self.stop:
             check_text("stop", stop)
@@ -141,11 +180,24 @@ class SamplingParams:
             check_int("stop_token_ids", token_id, 0)
         for token_id in self.eos_token_ids:
             check_int("eos_token_ids", token_id, 0)
+        if self.logit_bias is not None:
+            bias = {}
+            for token_id, value in self.logit_bias.items():
+                check_int("logit_bias", token_id, 0)
+                value = _finite_float("logit_bias", value)
+                if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ParamError(
+                        "logit_bias",
+                        f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}],"
+                        f" got {_shown(value)} for token {token_id}",
+                    )
+                bias[token_id] = value
+            self.logit_bias = bias or None
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ParamError if a token id (stop or end token) is outside the vocabulary."""
-        for name in ("stop_token_ids", "eos_token_ids"):
-            bad = sorted(t for t in getattr(self, name) if t >= vocab_size)
+        for name in ("stop_token_ids", "eos_token_ids", "logit_bias"):
+            bad = sorted(t for t in getattr(self, name) or () if t >= vocab_size)
             if bad:
                 raise ParamError(name, f"{name} outside [0, {vocab_size}): {_shown(bad[:5])}")
 
@@ -153,6 +205,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a logit bias or a penalty changes the logits tokens are chosen from."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     def end_token_ids(self) -> set[int]:
         """Token ids that finish the request (after min_tokens)."""
@@ -165,6 +227,8 @@ class SamplingParams:
         """Plain data for a message between processes (see :meth:`from_dict`)."""
         data = dataclasses.asdict(self)
         data["eos_token_ids"] = sorted(self.eos_token_ids)
+        # Pairs, not a map: message maps keep string keys only.
+        data["logit_bias"] = sorted(self.logit_bias.items()) if self.logit_bias else None
         return data
 
     @classmethod
@@ -173,4 +237,12 @@ class SamplingParams:
         TypeError an unknown one)."""
         data = dict(data)
         data["eos_token_ids"] = frozenset(data.get("eos_token_ids") or ())
+        bias = data.get("logit_bias")
+        if bias is not None:
+            if not isinstance(bias, (list, tuple)) or not all(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 and is_int(pair[0])
+                for pair in bias
+            ):
+                raise ParamError("logit_bias", "logit_bias must be a list of (token, bias) pairs")
+            data["logit_bias"] = dict(bias)
         return cls(**data)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,15 +21,56 @@ from tandem.sampling_params import (
 # field is a 400 naming it): nothing a client sends is silently coerced or ignored.
 STRICT = ConfigDict(extra="forbid", strict=True)
 
-# OpenAI fields Tandem does not implement, with the values that ask for nothing (accepted);
-# any other value is a 400 naming the field, never accepted and ignored.
-UNSUPPORTED_COMMON = MappingProxyType(
+logger = logging.getLogger(__name__)
+
+# Request bodies of the generating routes are open: a field no one declares is ignored with
+# a warning in the log (as vLLM does), but a field of OpenAI's or vLLM's API that Tandem does
+# not implement is a 400 naming it (never accepted and ignored).
+OPEN = ConfigDict(extra="allow", strict=True)
+REFUSED_COMMON = frozenset(
     {
-        "logit_bias": (None, {}),
-        "presence_penalty": (None, 0),
-        "frequency_penalty": (None, 0),
+        "length_penalty",
+        "use_beam_search",
+        "truncate_prompt_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "spaces_between_special_tokens",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structured_outputs",
+        "structural_tag",
+        "logits_processors",
+        "priority",
+        "request_id",
+        "cache_salt",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "return_tokens_as_token_ids",
+        "add_special_tokens",
     }
 )
+REFUSED_CHAT = frozenset(
+    {
+        "store",
+        "metadata",
+        "service_tier",
+        "reasoning_effort",
+        "web_search_options",
+        "echo",
+        "continue_final_message",
+        "documents",
+        "chat_template",
+        "chat_template_kwargs",
+        "mm_processor_kwargs",
+    }
+)
+
+# OpenAI fields Tandem does not implement, with the values that ask for nothing (accepted);
+# any other value is a 400 naming the field, never accepted and ignored.
 UNSUPPORTED_COMPLETION = MappingProxyType({"suffix": (None, "")})
 # The most samples one request may ask for (``n``): each is an engine request.
 MAX_N = 128
@@ -60,7 +102,8 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = STRICT
+    model_config = OPEN
+    refused: ClassVar[frozenset[str]] = REFUSED_COMMON  # undeclared fields that are a 400
 
     model: str | None = None
     max_tokens: int | None = None
@@ -83,16 +126,25 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     prompt_logprobs: int | None = None
     user: str | None = None
-    # Not implemented: refused unless neutral (UNSUPPORTED_COMMON).
+    # Token id (a decimal string, as OpenAI's) -> a bias in [-100, 100] added to its logit;
+    # the penalties (vLLM's repetition_penalty too), as SamplingParams applies them.
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
 
     def check_supported(self) -> None:
         """ParamError naming the first field that asks for a feature Tandem does not have
         (or ``stream_options`` without ``stream``)."""
-        unsupported = {**UNSUPPORTED_COMMON, **self._unsupported()}
-        for name, neutral in unsupported.items():
+        ignored = []
+        for name in self.model_extra or {}:
+            check_text("field name", name)
+            if name in self.refused:
+                raise ParamError(name, f"{name} is not supported by this server")
+            ignored.append(name)
+        if ignored:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(ignored)))
+        for name, neutral in self._unsupported().items():
             if not _is_neutral(getattr(self, name), neutral):
                 raise ParamError(name, f"{name} is not supported by this server")
         if self.stream_options is not None and not self.stream:
@@ -128,6 +180,12 @@ class SamplingFields(BaseModel):
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                logit_bias=token_bias(self.logit_bias),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
@@ -138,6 +196,18 @@ class SamplingFields(BaseModel):
             if name is None:
                 raise
             raise ParamError(name, str(e).replace(e.param, name, 1)) from None
+
+
+def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias``'s keys as token ids (ParamError unless each is a decimal integer)."""
+    if not bias:
+        return None
+    ids = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdecimal():
+            raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key[:20]!r}")
+        ids[int(key)] = value
+    return ids
 
 
 def _is_neutral(value: object, neutral: tuple) -> bool:
@@ -261,6 +331,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
+
+    refused: ClassVar[frozenset[str]] = REFUSED_COMMON | REFUSED_CHAT
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None

@@ -46,6 +46,15 @@ class RequestState:
     def num_drafts(self) -> int:
         return self.slot_drafts if self.drafts is None else int(self.drafts.shape[0])
 
+    def history(self, end: int) -> tuple[list[int], list[int]]:
+        """The prompt's tokens and the output's before index ``end`` of ``token_ids`` (what
+        a logit bias or penalty reads); every one must be known to the host."""
+        prompt = self.token_ids[: self.num_prompt_tokens]
+        output = self.token_ids[self.num_prompt_tokens : end]
+        if PLACEHOLDER in output:
+            raise RuntimeError("a penalized row was launched before its last token was read")
+        return prompt, output
+
 
 PLACEHOLDER = -1  # a token sampled by a launched step that the host has not read yet
 

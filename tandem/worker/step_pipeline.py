@@ -42,6 +42,11 @@ from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
 SPLIT_STEP_MAX_WEIGHT_BYTES = 2 * 2**30
 
 
+def _adjusts_logits(step: SchedulerOutput) -> bool:
+    """Whether a row of ``step`` has a logit bias or a penalty (which reads its output)."""
+    return any(row.request.sampling_params.adjusts_logits for row in step.scheduled)
+
+
 def weight_bytes(module: torch.nn.Module) -> int:
     """The bytes of ``module``'s parameters (on this rank)."""
     return sum(p.numel() * p.element_size() for p in module.parameters())
@@ -93,6 +98,7 @@ class StepPipeline:
         # limit, ...).
         self.num_resolved_steps = 0
         self.num_launched_ahead = 0
+        self.num_read_first = 0  # plain decoding: steps launched after the read (penalties)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -113,7 +119,9 @@ class StepPipeline:
         if self.mtp is not None and not step.is_empty:
             return self._step_ahead_mtp(step, previous)
         output = None
-        if previous is not None and step.is_empty:
+        # A biased or penalized row reads its output, so the step in front is read first.
+        if previous is not None and (step.is_empty or _adjusts_logits(step)):
+            self.num_read_first += not step.is_empty
             output, previous = self.read(previous), None
         self._launched = self._timed_launch(step)
         if previous is not None:
@@ -212,16 +220,18 @@ class StepPipeline:
         sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []
         for plan in sampling_plans:
-            state = plan.state
+            state, params = plan.state, plan.row.request.sampling_params
+            end = plan.start + plan.num_known  # the position its first draw is for
             sampling_rows.append(
                 SamplingRow(
                     len(logits_rows),
                     plan.num_drafts,
-                    plan.row.request.sampling_params,
+                    params,
                     state.seed,
-                    plan.start + plan.num_known,  # the position its first draw is for
+                    end,
                     len(state.token_ids) - state.num_prompt_tokens,
-                    self.batch.draft_probs_of(state, plan.row.request.sampling_params.greedy),
+                    self.batch.draft_probs_of(state, params.greedy),
+                    state.history(end) if params.adjusts_logits else None,
                 )
             )
             first = plan.offset + plan.num_known - 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.device_copy import to_device
+from tandem.layers.logit_adjustments import AdjustedRow, adjust_logits
 from tandem.layers.sampler import (
     LogprobsTensors,
     SamplingBatch,
@@ -45,6 +46,9 @@ class SamplingRow:
     position: int | None
     num_output_tokens: int  # before this step (for min_tokens)
     draft_probs: torch.Tensor | None = None  # [num_drafts, V] when the drafts were sampled
+    # The prompt's and the output's tokens before this step (host lists), for a request
+    # whose parameters adjust its logits (``SamplingParams.adjusts_logits``).
+    history: tuple[list[int], list[int]] | None = None
 
 
 def sampling_batch(
@@ -106,6 +110,17 @@ def _ban_end_tokens(rows: list[SamplingRow], logits: torch.Tensor) -> torch.Tens
     return logits.index_put(
         index, torch.full((), float("-inf"), device=logits.device, dtype=logits.dtype)
     )
+
+
+def _adjusted_rows(rows: list[SamplingRow]) -> list[AdjustedRow]:
+    """The rows whose logits a bias or a penalty adjusts (each must carry its history)."""
+    adjusted = []
+    for row in rows:
+        if row.params.adjusts_logits:
+            if row.history is None:
+                raise ValueError("sample_step: a row with a bias or penalty has no history")
+            adjusted.append(AdjustedRow(row.logits_start, row.num_drafts, row.params, *row.history))
+    return adjusted
 
 
 def _greedy_accepted(
@@ -195,7 +210,7 @@ def sample_step(
     place of their ``position``."""
     device = logits.device
     vocab = logits.shape[-1]
-    filtered = _ban_end_tokens(rows, logits)
+    filtered = adjust_logits(_ban_end_tokens(rows, logits), _adjusted_rows(rows), row_tokens)
     candidates = filtered.argmax(dim=-1)
     num_emitted = torch.ones(len(rows), dtype=torch.long, device=device)
 

@@ -39,6 +39,14 @@ BOUNDS = {
     "n": ([1, 2], [0, -1, 129]),
     "stop": (["x", ["a", "b"], [], None, "\x00"], ["", [""], [1], SURROGATES[0], [SURROGATES[1]]]),
     "stop_token_ids": ([[0], [VOCAB_SIZE - 1], [], None], [[i] for i in OOV_IDS] + [[1.0]]),
+    "presence_penalty": ([-2, 0, 0.5, 2, None], [-2.0000001, 2.5, -3]),
+    "frequency_penalty": ([-2, 0, 1, 2, None], [2.1, -2.1]),
+    "repetition_penalty": ([0.01, 1, 1.3, 100, None], [0, -1, 0.001, 100.5]),
+    "logit_bias": (
+        [{"15": 5}, {}, None, {"15": -100, "16": 100}, {str(VOCAB_SIZE - 1): 1.5}],
+        [{str(VOCAB_SIZE): 1}, {str(I64): -100}, {"15": 101}, {"15": -100.5}, {"abc": 1}]
+        + [{"-1": 1}, {"1.5": 1}, {"": 1}, {"\u0663": 1}],
+    ),
     "user": (["u", ""], SURROGATES),
     "model": ([MODEL, None], ["\ud800"]),
 }

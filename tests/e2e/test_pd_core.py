@@ -148,13 +148,30 @@ def _compare(got: dict, want: dict) -> None:
                 assert [t for t, _ in gtop] == [t for t, _ in wtop]
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+# Logit bias and penalties (the prefill instance's first token adjusted too: a repetition
+# penalty over the prompt changes it).
+ADJUSTED = [
+    {"repetition_penalty": 1.8},
+    {"presence_penalty": 1.2, "frequency_penalty": 0.6},
+    {"logit_bias": {13: -100.0, 28: 3.0}, "frequency_penalty": 0.3},
+    {},
+]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded", "adjusted"])
 def test_invariant_lossless_decode_instance_reports_what_a_mixed_instance_reports(
     cores, prompts, tokenizer, sampling
 ):
     mixed, prefill, decode = cores
     if sampling == "greedy":
         params = [_params(tokenizer, temperature=0.0, logprobs=3, prompt_logprobs=2)] * 16
+    elif sampling == "adjusted":
+        params = [
+            _params(
+                tokenizer, temperature=0.0 if i % 3 else 0.8, seed=i, logprobs=2, **ADJUSTED[i % 4]
+            )
+            for i in range(16)
+        ]
     else:
         params = [
             _params(tokenizer, temperature=0.8, top_p=0.95, seed=7 + i, logprobs=2)

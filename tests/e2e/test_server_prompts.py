@@ -11,7 +11,15 @@ import json
 
 import httpx
 import pytest
-from server_helpers import AUTH, MODEL, PROMPT, SHORT_ANSWER_CHAT, greedy, wait_until_idle
+from server_helpers import (
+    AUTH,
+    MODEL,
+    PROMPT,
+    SHORT_ANSWER_CHAT,
+    greedy,
+    greedy_chat,
+    wait_until_idle,
+)
 
 from tandem import SamplingParams
 
@@ -224,3 +232,35 @@ def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob(client)
         )
         assert response.status_code == 400, bad
         assert response.json()["error"]["param"] == "best_of", bad
+
+
+def test_penalties_and_logit_bias_give_the_offline_api_s_tokens(client, offline):
+    """The four fields through the client (repetition_penalty as vLLM's extra field) give
+    what SamplingParams gives offline (tests/e2e/test_penalties.py checks those against a
+    reference); the bias bans the unadjusted first token, streamed too."""
+    first = greedy(offline, PROMPT, 1).outputs[0].token_ids[0]
+    fields = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "repetition_penalty": 1.2}
+    bias = {first: -100.0, 13: 2.0}
+    expected = greedy(offline, PROMPT, 12, logit_bias=bias, **fields).outputs[0]
+    assert expected.token_ids[0] != first
+    request = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "presence_penalty": 0.8,
+        "frequency_penalty": 0.4,
+        "logit_bias": {str(token): value for token, value in bias.items()},
+        "extra_body": {"repetition_penalty": 1.2},
+    }
+    response = client.completions.create(**request)
+    assert response.choices[0].text == expected.text
+    streamed = "".join(
+        chunk.choices[0].text for chunk in client.completions.create(**request, stream=True)
+    )
+    assert streamed == expected.text
+    chat = greedy_chat(offline, SHORT_ANSWER_CHAT, 10, presence_penalty=1.5)
+    response = client.chat.completions.create(
+        model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=10, temperature=0, presence_penalty=1.5
+    )
+    assert response.choices[0].message.content == chat.outputs[0].text
