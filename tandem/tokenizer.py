@@ -6,6 +6,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
 from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
@@ -129,16 +130,20 @@ class Tokenizer:
     ) -> list[int]:
         """Render ``messages`` with the model's chat template and return the prompt ids
         (``add_special_tokens``: the tokenizer's own BOS/EOS around the rendered text too, as
-        vLLM's ``/tokenize`` may ask; the chat endpoint never does)."""
+        vLLM's ``/tokenize`` may ask; the chat endpoint never does). A template that refuses
+        the messages (its ``raise_exception``) raises ValueError."""
         if not getattr(self._hf, "chat_template", None):
             raise ValueError("chat_template: this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m for m in messages
         ):
             raise ValueError("messages: expected a list of dicts, each with a 'role' key")
-        text = self._hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        try:
+            text = self._hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except TemplateError as e:  # the template's own raise_exception, or a broken one
+            raise ValueError(f"chat template: {e}") from None
         # The template already writes any BOS/markup tokens itself.
         return self.encode(text, add_special_tokens=add_special_tokens)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import FastAPI
-from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from tandem.sampling_params import ParamError, check_text
@@ -54,7 +53,7 @@ class TokenizeRequest(BaseModel):
             return tokenizer.apply_chat_template(
                 messages, add_generation_prompt, add_special_tokens=bool(self.add_special_tokens)
             )
-        except (ValueError, TemplateError) as e:  # the chat template's own
+        except ValueError as e:  # the chat template's own
             raise ParamError("messages", f"messages: {e}") from None
 
     def _prompt_ids(self, tokenizer: Tokenizer) -> list[int]:

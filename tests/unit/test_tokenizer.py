@@ -97,6 +97,10 @@ def test_chat_template_errors(tok: Tokenizer) -> None:
     try:
         with pytest.raises(ValueError, match="chat template"):
             tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        # A template that refuses the messages (Jinja's TemplateError) is a ValueError too.
+        tok.hf.chat_template = "{{ raise_exception('roles must alternate') }}"
+        with pytest.raises(ValueError, match="chat template: roles must alternate"):
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
     finally:
         tok.hf.chat_template = saved
 
