@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 from tokenizers.decoders import DecodeStream
 
+from tandem import tokenizer_cache
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -31,8 +33,22 @@ def _read_gguf_metadata(path: str) -> dict[str, Any]:
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id", *_GGUF_END_KEYS):
         field = reader.fields.get(key)
         if field is not None:
-            meta[key] = field.contents()
+            meta[key] = int(field.contents())
     return meta
+
+
+def _convert_gguf(path: str) -> tuple[PreTrainedTokenizerBase, dict[str, Any]]:
+    """The fast tokenizer and token-id metadata of a GGUF file, converted (and cached)."""
+    from transformers import AutoTokenizer
+
+    meta = _read_gguf_metadata(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        hf = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot load tokenizer from GGUF ({exc})") from exc
+    tokenizer_cache.save(path, hf, meta)
+    return hf, meta
 
 
 def _read_generation_eos(directory: str) -> list[int]:
@@ -85,13 +101,8 @@ class Tokenizer:
                 raise ValueError(f"{path}: cannot load tokenizer ({exc})") from exc
             eos = hf.eos_token_id if hf.eos_token_id is not None else next(iter(end_ids), None)
         elif os.path.isfile(path):
-            meta = _read_gguf_metadata(path)
+            hf, meta = tokenizer_cache.load(path) or _convert_gguf(path)
             end_ids = [int(meta[k]) for k in _GGUF_END_KEYS if k in meta]
-            directory, name = os.path.split(os.path.abspath(path))
-            try:
-                hf = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-            except Exception as exc:
-                raise ValueError(f"{path}: cannot load tokenizer from GGUF ({exc})") from exc
             eos = meta.get("tokenizer.ggml.eos_token_id", hf.eos_token_id)
         else:
             raise ValueError(f"{path}: model path does not exist")

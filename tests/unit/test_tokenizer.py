@@ -268,3 +268,32 @@ def test_stop_with_detokenizer(tok: Tokenizer) -> None:
         if matched:
             break
     assert emitted == "Count: one, two, " and m.matched == "three."
+
+
+def test_a_converted_gguf_tokenizer_is_cached_and_loads_the_same(tmp_path, monkeypatch) -> None:
+    from tandem import tokenizer_cache
+    from tandem.models.loader import resolve_model
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    path = resolve_model(None)
+    assert tokenizer_cache.load(path) is None
+    converted = Tokenizer.from_model_path(path)
+    assert tokenizer_cache.load(path) is not None  # saved by the conversion
+    cached = Tokenizer.from_model_path(path)
+    texts = ["Hello world", "  two\n\nlines", "<|im_start|>user\nhi<|im_end|>", "émoji 🎉 日本語"]
+    for text in texts:
+        assert cached.encode(text) == converted.encode(text)
+        assert cached.encode(text, True) == converted.encode(text, True)
+    ids = list(range(0, converted.vocab_size, 97))
+    assert cached.decode(ids, False) == converted.decode(ids, False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(messages) == converted.apply_chat_template(messages)
+    for name in ("vocab_size", "eos_token_id", "bos_token_id", "end_token_ids"):
+        assert getattr(cached, name) == getattr(converted, name)
+    # A damaged entry is converted again; an unwritable cache is no failure.
+    (entry,) = (tmp_path / "cache" / "gguf-tokenizers").iterdir()
+    (entry / "tokenizer.json").write_text("{")
+    assert tokenizer_cache.load(path) is None
+    assert Tokenizer.from_model_path(path).encode(texts[0]) == converted.encode(texts[0])
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "/proc/no-such-place")
+    assert Tokenizer.from_model_path(path).vocab_size == converted.vocab_size
