@@ -52,6 +52,30 @@ def check_text(name: str, value: object) -> None:
         raise ParamError(name, f"{name} is not valid Unicode (at character {e.start})") from None
 
 
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def check_guided(guided: object) -> None:
+    """ParamError unless ``guided`` has the shape of one structured-output constraint
+    (``tandem/worker/grammars.py``; compiling it is the worker's)."""
+    kinds = ", ".join(GUIDED_KINDS)
+    if not isinstance(guided, dict) or len(guided) != 1:
+        raise ParamError("guided", f"guided must name exactly one of {kinds}")
+    ((kind, spec),) = guided.items()
+    if kind not in GUIDED_KINDS:
+        raise ParamError("guided", f"guided kind {_shown(kind)} is not one of {kinds}")
+    if kind == "json" and not isinstance(spec, (dict, str)):
+        raise ParamError("guided", "a json constraint is a JSON schema (an object or its text)")
+    if kind == "json_object" and spec is not True:
+        raise ParamError("guided", "json_object takes true")
+    if kind in ("regex", "grammar") and (not isinstance(spec, str) or not spec):
+        raise ParamError("guided", f"a {kind} constraint is a non-empty string")
+    if kind == "choice" and (
+        not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec)
+    ):
+        raise ParamError("guided", "a choice constraint is a list of non-empty strings")
+
+
 def _finite_float(name: str, value: object) -> float:
     """``value`` as a float; ParamError unless it is a finite number."""
     if not is_int(value) and not isinstance(value, float):
@@ -96,6 +120,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # Structured output: one constraint on the output (``check_guided``), or None.
+    guided: dict | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -140,6 +166,8 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
         self._validate_penalties()
+        if self.guided is not None:
+            check_guided(self.guided)
         check_int("top_k", self.top_k, -1)
         if self.seed is not None:
             check_int("seed", self.seed)
@@ -215,6 +243,12 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def reads_output(self) -> bool:
+        """True when choosing a token reads the output so far (a bias or penalty, or a
+        structured-output constraint): such a row is decoded on the host-read path."""
+        return self.adjusts_logits or self.guided is not None
 
     def end_token_ids(self) -> set[int]:
         """Token ids that finish the request (after min_tokens)."""

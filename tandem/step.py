@@ -53,6 +53,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def reads_output(self) -> bool:
+        """Whether a row decides its tokens from its output so far (a bias, a penalty, a
+        grammar: ``SamplingParams.reads_output``)."""
+        return any(row.request.sampling_params.reads_output for row in self.scheduled)
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -215,10 +215,10 @@ class EngineCore:
                 "requests prefilled elsewhere"
             )
         self.limits.validate(request.prompt_token_ids, request.sampling_params)
-        num_prompt_tokens = request.num_prompt_tokens
+        self.pipeline.grammars.check(request.sampling_params)  # its constraint compiles
         self.scheduler.add_request(request)  # last: a request that raises is not queued
         self.counters["num_requests_added"] += 1
-        self.counters["num_prompt_tokens"] += num_prompt_tokens
+        self.counters["num_prompt_tokens"] += request.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request wherever it is; returns False for unknown or finished ids."""

@@ -49,6 +49,7 @@ from tandem.output_processor import OutputProcessor
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import Tokenizer
+from tandem.worker.grammars import GrammarBook
 
 STARTUP_TIMEOUT_S = 600
 # How long a send to the engine core may wait before the client checks that it still runs
@@ -115,6 +116,7 @@ class AsyncEngineClient:
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
         self.info: EngineInfo | None = None  # once the core is ready
+        self._grammars: GrammarBook | None = None  # structured output, at its first use
         self.stats: dict = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._socket_dir = tempfile.mkdtemp(prefix="tandem-")
@@ -324,6 +326,10 @@ class AsyncEngineClient:
         if params is not None:
             params = replace(params, eos_token_ids=self.tokenizer.end_token_ids)
         self.info.limits.validate(prompt_token_ids, params)
+        if params is not None and params.guided is not None:  # compiles for this tokenizer
+            if self._grammars is None:
+                self._grammars = GrammarBook(self.tokenizer.hf, self.info.limits.vocab_size)
+            self._grammars.compile(params.guided)
 
     async def generate(
         self,

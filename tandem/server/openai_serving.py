@@ -168,7 +168,12 @@ def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> list
 
 
 def _prepared(kind, text, token_ids, params, body, client) -> PreparedRequest:
-    client.validate_prompt(token_ids, params)
+    try:
+        client.validate_prompt(token_ids, params)
+    except ParamError as e:  # a constraint that does not compile: named as the body asks
+        if e.param != "guided":
+            raise
+        raise ParamError(body.guided_constraint()[0], str(e)) from None
     if params.max_tokens is None:
         params.max_tokens = client.info.max_model_len - len(token_ids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

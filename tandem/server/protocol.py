@@ -16,6 +16,7 @@ from tandem.sampling_params import (
     check_int,
     check_text,
 )
+from tandem.server.request_constraints import guided_constraint, token_bias
 
 # Request bodies are strict (a string is not a number, 1 is not true) and closed (an unknown
 # field is a 400 naming it): nothing a client sends is silently coerced or ignored.
@@ -35,10 +36,6 @@ REFUSED_COMMON = frozenset(
         "allowed_token_ids",
         "bad_words",
         "spaces_between_special_tokens",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
         "guided_decoding_backend",
         "guided_whitespace_pattern",
         "structured_outputs",
@@ -83,7 +80,6 @@ UNSUPPORTED_CHAT = MappingProxyType(
         "parallel_tool_calls": (None,),
         "functions": (None, []),
         "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"}),
         "modalities": (None, ["text"]),
         "audio": (None,),
         "prediction": (None,),
@@ -132,6 +128,13 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # Structured output (one per request): OpenAI's response_format (json_object,
+    # json_schema; text is none) and vLLM's guided_* fields.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """ParamError naming the first field that asks for a feature Tandem does not have
@@ -153,6 +156,10 @@ class SamplingFields(BaseModel):
     @staticmethod
     def _unsupported() -> MappingProxyType:
         return MappingProxyType({})
+
+    def guided_constraint(self) -> tuple[str, dict | None]:
+        """The structured-output constraint asked for and the field that asks."""
+        return guided_constraint(self)
 
     def to_sampling_params(
         self,
@@ -186,6 +193,7 @@ class SamplingFields(BaseModel):
                     1.0 if self.repetition_penalty is None else self.repetition_penalty
                 ),
                 logit_bias=token_bias(self.logit_bias),
+                guided=self.guided_constraint()[1],
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
@@ -193,21 +201,11 @@ class SamplingFields(BaseModel):
             )
         except ParamError as e:
             name = (renamed or {}).get(e.param)
+            if e.param == "guided":
+                name = self.guided_constraint()[0]
             if name is None:
                 raise
             raise ParamError(name, str(e).replace(e.param, name, 1)) from None
-
-
-def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """``logit_bias``'s keys as token ids (ParamError unless each is a decimal integer)."""
-    if not bias:
-        return None
-    ids = {}
-    for key, value in bias.items():
-        if not key.isascii() or not key.isdecimal():
-            raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key[:20]!r}")
-        ids[int(key)] = value
-    return ids
 
 
 def _is_neutral(value: object, neutral: tuple) -> bool:
@@ -345,7 +343,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None

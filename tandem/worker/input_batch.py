@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +42,9 @@ class RequestState:
     # Drafts that stayed in the slot after a resolved step (``drafts`` is then None): the
     # first ``slot_drafts`` of the slot's drafts.
     slot_drafts: int = 0
+    # Structured output: the request's grammar matcher and how many output tokens it took.
+    matcher: Any = None
+    matcher_len: int = 0
 
     @property
     def num_drafts(self) -> int:
@@ -166,6 +170,10 @@ class InputBatch:
         if state.drafts is None and state.slot_drafts:
             return self.slots.drafts[state.slot, : state.slot_drafts]
         return state.drafts
+
+    def row_drafts(self, plan: RowPlan) -> torch.Tensor | None:
+        """The drafts ``plan`` verifies (a device tensor), or None."""
+        return self.drafts_of(plan.state)[: plan.num_drafts] if plan.num_drafts else None
 
     def draft_probs_of(self, state: RequestState, greedy: bool) -> torch.Tensor | None:
         """The distributions [num_drafts, V] the request's drafts were drawn from (None

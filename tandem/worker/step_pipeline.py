@@ -30,6 +30,7 @@ import torch
 from tandem.device_copy import DeviceReader, PendingRead, to_device
 from tandem.layers.sampler import LogprobsTensors, compute_logprobs
 from tandem.step import ModelRunnerOutput, SchedulerOutput
+from tandem.worker.grammars import RowGrammars
 from tandem.worker.input_batch import PLACEHOLDER, InputBatch, RowPlan, StepInputs
 from tandem.worker.model_runner import ModelRunner, on_runner_device
 from tandem.worker.request_slots import RequestSlots
@@ -40,11 +41,6 @@ from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
 # that read costs less than the host's wait that launching rows ahead saves (SmolLM2-135M,
 # 0.27 GB: ~0.06 ms on an H200); above it (an 8B model, 16 GB: ~3.4 ms) it costs more.
 SPLIT_STEP_MAX_WEIGHT_BYTES = 2 * 2**30
-
-
-def _adjusts_logits(step: SchedulerOutput) -> bool:
-    """Whether a row of ``step`` has a logit bias or a penalty (which reads its output)."""
-    return any(row.request.sampling_params.adjusts_logits for row in step.scheduled)
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -91,6 +87,7 @@ class StepPipeline:
         # Whether an MTP step whose rows are not all resolvable ahead goes in parts.
         self.split_steps = weight_bytes(runner.model) <= SPLIT_STEP_MAX_WEIGHT_BYTES
         self.reader = DeviceReader(self.device)
+        self.grammars = RowGrammars(runner.config.model, runner.arch.vocab_size)
         self.launch_seconds = 0.0  # the host's time in launch (preparing, queueing steps)
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
         # MTP steps resolved on the device, and those queued before the step in front of
@@ -119,8 +116,8 @@ class StepPipeline:
         if self.mtp is not None and not step.is_empty:
             return self._step_ahead_mtp(step, previous)
         output = None
-        # A biased or penalized row reads its output, so the step in front is read first.
-        if previous is not None and (step.is_empty or _adjusts_logits(step)):
+        # A row that reads its output (a bias, a grammar) needs the step in front read first.
+        if previous is not None and (step.is_empty or step.reads_output):
             self.num_read_first += not step.is_empty
             output, previous = self.read(previous), None
         self._launched = self._timed_launch(step)
@@ -232,6 +229,7 @@ class StepPipeline:
                     len(state.token_ids) - state.num_prompt_tokens,
                     self.batch.draft_probs_of(state, params.greedy),
                     state.history(end) if params.adjusts_logits else None,
+                    self.grammars.masks(plan, params, end, self.batch.row_drafts(plan)),
                 )
             )
             first = plan.offset + plan.num_known - 1

@@ -24,6 +24,7 @@ from tandem.layers.sampler import (
     sample,
 )
 from tandem.sampling_params import SamplingParams
+from tandem.worker.grammars import allowed_tokens
 from tandem.worker.spec_decode.verification import (
     RejectionLayout,
     rejection_randoms,
@@ -49,6 +50,8 @@ class SamplingRow:
     # The prompt's and the output's tokens before this step (host lists), for a request
     # whose parameters adjust its logits (``SamplingParams.adjusts_logits``).
     history: tuple[list[int], list[int]] | None = None
+    # Structured output: [1 + num_drafts, W] int32 token bitmasks (host), one per position.
+    token_masks: torch.Tensor | None = None
 
 
 def sampling_batch(
@@ -121,6 +124,27 @@ def _adjusted_rows(rows: list[SamplingRow]) -> list[AdjustedRow]:
                 raise ValueError("sample_step: a row with a bias or penalty has no history")
             adjusted.append(AdjustedRow(row.logits_start, row.num_drafts, row.params, *row.history))
     return adjusted
+
+
+def _apply_token_masks(
+    rows: list[SamplingRow], filtered: torch.Tensor, raw: torch.Tensor
+) -> torch.Tensor:
+    """Tokens a grammar forbids get -inf (a copy: the raw logits stay for logprobs)."""
+    masked = [row for row in rows if row.token_masks is not None]
+    if not masked:
+        return filtered
+    if filtered is raw:
+        filtered = raw.clone()
+    index = to_device(
+        [r.logits_start + j for r in masked for j in range(1 + r.num_drafts)],
+        torch.long,
+        raw.device,
+    )
+    bitmask = torch.cat([r.token_masks[: 1 + r.num_drafts] for r in masked])
+    allowed = allowed_tokens(bitmask.to(raw.device, non_blocking=True), raw.shape[-1])
+    rows_logits = filtered.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    filtered.index_copy_(0, index, rows_logits)
+    return filtered
 
 
 def _greedy_accepted(
@@ -211,6 +235,7 @@ def sample_step(
     device = logits.device
     vocab = logits.shape[-1]
     filtered = adjust_logits(_ban_end_tokens(rows, logits), _adjusted_rows(rows), row_tokens)
+    filtered = _apply_token_masks(rows, filtered, logits)
     candidates = filtered.argmax(dim=-1)
     num_emitted = torch.ones(len(rows), dtype=torch.long, device=device)
 

@@ -148,13 +148,15 @@ def _compare(got: dict, want: dict) -> None:
                 assert [t for t, _ in gtop] == [t for t, _ in wtop]
 
 
-# Logit bias and penalties (the prefill instance's first token adjusted too: a repetition
-# penalty over the prompt changes it).
+# Logit bias, penalties and structured output (the prefill instance's first token adjusted
+# and constrained too: a repetition penalty over the prompt changes it, a grammar fixes it).
 ADJUSTED = [
     {"repetition_penalty": 1.8},
     {"presence_penalty": 1.2, "frequency_penalty": 0.6},
     {"logit_bias": {13: -100.0, 28: 3.0}, "frequency_penalty": 0.3},
     {},
+    {"guided": {"choice": ["yes", "no", "maybe"]}},
+    {"guided": {"json": {"type": "object", "properties": {"n": {"type": "integer"}}}}},
 ]
 
 
@@ -168,7 +170,11 @@ def test_invariant_lossless_decode_instance_reports_what_a_mixed_instance_report
     elif sampling == "adjusted":
         params = [
             _params(
-                tokenizer, temperature=0.0 if i % 3 else 0.8, seed=i, logprobs=2, **ADJUSTED[i % 4]
+                tokenizer,
+                temperature=0.0 if i % 3 else 0.8,
+                seed=i,
+                logprobs=2,
+                **ADJUSTED[i % len(ADJUSTED)],
             )
             for i in range(16)
         ]

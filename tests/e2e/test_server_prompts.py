@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import pytest
 from server_helpers import (
     AUTH,
@@ -264,3 +265,43 @@ def test_penalties_and_logit_bias_give_the_offline_api_s_tokens(client, offline)
         model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=10, temperature=0, presence_penalty=1.5
     )
     assert response.choices[0].message.content == chat.outputs[0].text
+
+
+def test_structured_output_fields(client, server):
+    """response_format json_schema (chat) gives JSON that validates; vLLM's guided_choice
+    and guided_regex (completions, as extra fields); a constraint that does not compile is
+    a 400 naming the field that asked."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 10}},
+        "required": ["answer"],
+    }
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=SHORT_ANSWER_CHAT,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+    choice = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_choice": ["red", "blue"]},
+    )
+    assert choice.choices[0].text in ("red", "blue")
+    for body, param in (
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),
+    ):
+        response = httpx.post(
+            f"{server}/v1/completions",
+            headers=AUTH,
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **body},
+            timeout=30,
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param

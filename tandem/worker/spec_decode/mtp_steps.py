@@ -52,9 +52,9 @@ class MTPSteps:
     def row_resolvable(self, row: ScheduledRequest, ahead: bool) -> bool:
         """Whether the device can resolve ``row``: the verification of a full k drafts of a
         request (greedy or sampled) whose slot is ready, with no end-token ban to apply
-        (min_tokens met) and no logit bias or penalty, and room for its writes within its
-        blocks and the context; ``ahead``: a step in front of it is still unread, so the
-        room must hold however many drafts that step accepts."""
+        (min_tokens met) and nothing that reads the output (a bias, penalty, grammar), and
+        room for its writes within its blocks and the context; ``ahead``: a step in front of
+        it is still unread, so the room must hold however many drafts that step accepts."""
         if not getattr(self.runner.proposer, "resolves_on_device", False):
             return False
         k = self.slots.num_drafts
@@ -66,7 +66,7 @@ class MTPSteps:
             or state is None
             or not state.slot_ready
             or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens
-            or params.adjusts_logits  # reads its output (``logit_adjustments``)
+            or params.reads_output  # a bias, penalty or grammar: the host-read path
         ):
             return False
         limit = min(self.runner.max_model_len, len(row.block_ids) * self.runner.block_size)
