@@ -168,6 +168,8 @@ class SamplingParams:
         self._validate_penalties()
         if self.guided is not None:
             check_guided(self.guided)
+            if self.min_tokens:  # the end-token ban could leave a complete output no token
+                fail("min_tokens", "must be 0 with a structured-output constraint")
         check_int("top_k", self.top_k, -1)
         if self.seed is not None:
             check_int("seed", self.seed)

@@ -152,5 +152,7 @@ def test_a_constraint_that_does_not_compile_is_refused_naming_it(make_llm):
         assert error.value.param == "guided"
     with pytest.raises(ParamError, match="exactly one"):
         SamplingParams(guided={"regex": "a", "choice": ["b"]})
+    with pytest.raises(ParamError, match="min_tokens"):
+        SamplingParams(guided={"regex": "a"}, min_tokens=2)
     # The engine serves on.
     assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].text
