@@ -19,20 +19,37 @@ from dataclasses import dataclass
 import torch
 
 from tandem.device_copy import to_device
-from tandem.sampling_params import SamplingParams
 
 
 @dataclass
 class AdjustedRow:
     """One request's logits rows to adjust: ``1 + num_drafts`` consecutive rows from
     ``logits_start``; the prompt's and the output's known tokens (host lists) before the
-    first of them."""
+    first of them; the request's bias and penalties."""
 
     logits_start: int
     num_drafts: int
-    params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+
+    @classmethod
+    def of(cls, logits_start: int, num_drafts: int, params, prompt_ids, output_ids):
+        """The row of a request whose sampling parameters are ``params`` (anything with
+        SamplingParams' four fields)."""
+        return cls(
+            logits_start,
+            num_drafts,
+            list(prompt_ids),
+            list(output_ids),
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+            params.logit_bias,
+        )
 
 
 def adjust_logits(
@@ -49,7 +66,7 @@ def adjust_logits(
     index = to_device(targets, torch.long, device)
     values = logits.index_select(0, index).float()
     counts = _output_counts(rows, row_tokens, len(targets), vocab, device)
-    params = [r.params for r in rows for _ in range(1 + r.num_drafts)]
+    params = _expanded(rows)
 
     def column(name: str) -> torch.Tensor:
         return to_device([getattr(p, name) for p in params], torch.float32, device)[:, None]

@@ -122,7 +122,9 @@ def _adjusted_rows(rows: list[SamplingRow]) -> list[AdjustedRow]:
         if row.params.adjusts_logits:
             if row.history is None:
                 raise ValueError("sample_step: a row with a bias or penalty has no history")
-            adjusted.append(AdjustedRow(row.logits_start, row.num_drafts, row.params, *row.history))
+            adjusted.append(
+                AdjustedRow.of(row.logits_start, row.num_drafts, row.params, *row.history)
+            )
     return adjusted
 
 

@@ -63,6 +63,7 @@ LAYERS: list[tuple[int, str, tuple[str, ...]]] = [
             "tandem/step.py",
             "tandem/outputs.py",
             "tandem/tokenizer.py",
+            "tandem/tokenizer_cache.py",  # converted GGUF tokenizers on disk
             "tandem/messages.py",  # the typed messages between processes
             "tandem/wire.py",  # their wire form and checks
             "tandem/device_copy.py",  # host/device copies

@@ -39,9 +39,9 @@ def test_rows_with_drafts_count_the_drafts_before_each_position():
     b = SamplingParams(temperature=0, frequency_penalty=0.7, repetition_penalty=1.4)
     c = SamplingParams(temperature=0, presence_penalty=-0.5, frequency_penalty=-1.0)
     rows = [
-        AdjustedRow(0, 0, a, [1, 2, 3], [4, 4, 9]),
+        AdjustedRow.of(0, 0, a, [1, 2, 3], [4, 4, 9]),
         # rows 1-4: a request with nothing to adjust (must stay bit for bit)
-        AdjustedRow(5, 3, b, [7, 8], [3, 3, 11]),
+        AdjustedRow.of(5, 3, b, [7, 8], [3, 3, 11]),
     ]
     raw = logits.clone()
     got = adjust_logits(logits, rows, row_tokens)
@@ -53,7 +53,7 @@ def test_rows_with_drafts_count_the_drafts_before_each_position():
         want = reference_row(logits[5 + j], b, [7, 8], [3, 3, 11] + drafts[:j])
         torch.testing.assert_close(got[5 + j], want)
     # Negative penalties raise the logits of tokens already output.
-    one = adjust_logits(logits[:1], [AdjustedRow(0, 0, c, [], [5, 5])], row_tokens)
+    one = adjust_logits(logits[:1], [AdjustedRow.of(0, 0, c, [], [5, 5])], row_tokens)
     assert one[0, 5] == pytest.approx(logits[0, 5].item() + 2.5)
 
 
