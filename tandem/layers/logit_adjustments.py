@@ -43,8 +43,8 @@ class AdjustedRow:
         return cls(
             logits_start,
             num_drafts,
-            list(prompt_ids),
-            list(output_ids),
+            prompt_ids,
+            output_ids,
             params.presence_penalty,
             params.frequency_penalty,
             params.repetition_penalty,
@@ -64,30 +64,26 @@ def adjust_logits(
     device, vocab = logits.device, logits.shape[-1]
     targets = [r.logits_start + j for r in rows for j in range(1 + r.num_drafts)]
     index = to_device(targets, torch.long, device)
+    # Which request each adjusted logits row belongs to: per-request tensors are built once
+    # and spread over the request's 1 + num_drafts rows on the device.
+    owner = to_device(
+        [i for i, r in enumerate(rows) for _ in range(1 + r.num_drafts)], torch.long, device
+    )
     values = logits.index_select(0, index).float()
-    counts = _output_counts(rows, row_tokens, len(targets), vocab, device)
-    params = _expanded(rows)
+    counts = _output_counts(rows, owner, row_tokens, vocab, device)
 
     def column(name: str) -> torch.Tensor:
-        return to_device([getattr(p, name) for p in params], torch.float32, device)[:, None]
+        per_request = to_device([getattr(r, name) for r in rows], torch.float32, device)
+        return per_request.index_select(0, owner)[:, None]
 
-    bias = [
-        (i, token, value)
-        for i, p in enumerate(params)
-        for token, value in (p.logit_bias or {}).items()
-    ]
-    if bias:
-        at_rows, at_tokens, amounts = zip(*bias, strict=True)
-        values.index_put_(
-            (to_device(at_rows, torch.long, device), to_device(at_tokens, torch.long, device)),
-            to_device(amounts, torch.float32, device),
-            accumulate=True,
-        )
-    if any(p.repetition_penalty != 1.0 for p in params):
+    bias = _entries(rows, lambda r: (r.logit_bias or {}).items(), vocab, device)
+    if bias is not None:
+        values += bias.index_select(0, owner)
+    if any(r.repetition_penalty != 1.0 for r in rows):
         seen = counts > 0
-        prompt = [(i, t) for i, r in enumerate(_expanded(rows)) for t in set(r.prompt_ids)]
-        if prompt:
-            seen[tuple(to_device(prompt, torch.long, device).unbind(1))] = True
+        prompt = _entries(rows, lambda r: ((t, 1.0) for t in set(r.prompt_ids)), vocab, device)
+        if prompt is not None:
+            seen |= prompt.index_select(0, owner) > 0
         penalty = column("repetition_penalty")
         scaled = torch.where(values > 0, values / penalty, values * penalty)
         values = torch.where(seen, scaled, values)
@@ -98,36 +94,41 @@ def adjust_logits(
     return adjusted
 
 
-def _expanded(rows: list[AdjustedRow]) -> list[AdjustedRow]:
-    """Each row repeated once per logits row it owns."""
-    return [r for r in rows for _ in range(1 + r.num_drafts)]
+def _entries(rows: list[AdjustedRow], items, vocab: int, device) -> torch.Tensor | None:
+    """[len(rows), V] fp32 on the device holding ``items(row)``'s (token, value) pairs per
+    request (None when there are none); only the pairs cross to the device."""
+    entries = [(i, token, value) for i, r in enumerate(rows) for token, value in items(r)]
+    if not entries:
+        return None
+    at, tokens, values = zip(*entries, strict=True)
+    table = torch.zeros((len(rows), vocab), dtype=torch.float32, device=device)
+    table[to_device(at, torch.long, device), to_device(tokens, torch.long, device)] = to_device(
+        values, torch.float32, device
+    )
+    return table
 
 
 def _output_counts(
     rows: list[AdjustedRow],
+    owner: torch.Tensor,
     row_tokens: torch.Tensor,
-    num_targets: int,
     vocab: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """[num_targets, V] fp32: each adjusted logits row's output token counts (the known
-    output, then the row's drafts before its position, gathered on the device)."""
-    counts = torch.zeros((num_targets, vocab), dtype=torch.float32, device=device)
-    known = []  # (target, token, count)
-    drafted = []  # (target, index in row_tokens of a draft before it)
+    """[adjusted rows, V] fp32: each adjusted logits row's output token counts (its
+    request's known output, then the row's drafts before its position, gathered on the
+    device)."""
+    known = _entries(rows, lambda r: Counter(r.output_ids).items(), vocab, device)
+    if known is None:
+        counts = torch.zeros((owner.shape[0], vocab), dtype=torch.float32, device=device)
+    else:
+        counts = known.index_select(0, owner)
+    drafted = []  # (adjusted row, index in row_tokens of a draft before it)
     target = 0
     for r in rows:
-        tally = Counter(r.output_ids).items()
-        for j in range(1 + r.num_drafts):
-            known += [(target + j, token, n) for token, n in tally]
+        for j in range(1, 1 + r.num_drafts):
             drafted += [(target + j, r.logits_start + i) for i in range(1, j + 1)]
         target += 1 + r.num_drafts
-    if known:
-        at, tokens, n = zip(*known, strict=True)
-        counts.index_put_(
-            (to_device(at, torch.long, device), to_device(tokens, torch.long, device)),
-            to_device(n, torch.float32, device),
-        )
     if drafted:
         at, source = zip(*drafted, strict=True)
         draft_tokens = row_tokens.index_select(0, to_device(source, torch.long, device))

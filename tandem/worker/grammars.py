@@ -20,7 +20,20 @@ from typing import Any
 
 import torch
 
-from tandem.sampling_params import ParamError, check_guided
+from tandem.device_copy import DeviceReader
+from tandem.sampling_params import ParamError
+
+
+def advance(matcher: Any, tokens: list[int]) -> None:
+    """Feed ``tokens`` of a request's output to its matcher, up to an end token the matcher
+    took: what follows it is not output (an accepted run's rest, or a row launched before the
+    end was read: the request has ended and the row is dropped). ValueError if the grammar
+    refuses one (the masks make that impossible)."""
+    for token in tokens:
+        if matcher.is_terminated():
+            return
+        if not matcher.accept_token(token):
+            raise ValueError(f"the output breaks its grammar at token {token}")
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -47,8 +60,7 @@ class GrammarBook:
 
     def compile(self, guided: dict) -> Any:
         """The compiled grammar of ``guided`` (ParamError naming ``guided`` if it does not
-        compile)."""
-        check_guided(guided)
+        compile); ``guided`` has the shape ``check_guided`` checks (SamplingParams did)."""
         key = json.dumps(guided, sort_keys=True)
         if key not in self._compiled:
             ((kind, spec),) = guided.items()
@@ -77,11 +89,7 @@ class GrammarBook:
     def matcher(self, guided: dict, output_ids: list[int]) -> Any:
         """A matcher of ``guided`` that has accepted ``output_ids``."""
         matcher = self._xgr.GrammarMatcher(self.compile(guided))
-        for token in output_ids:
-            if matcher.is_terminated():  # what follows the end token is not output
-                break
-            if not matcher.accept_token(token):
-                raise ValueError(f"the output so far breaks its grammar at token {token}")
+        advance(matcher, output_ids)
         return matcher
 
     def masks(self, matcher: Any, drafts: list[int]) -> torch.Tensor:
@@ -108,9 +116,10 @@ class RowGrammars:
     its masks. The grammar book is built at the first constrained request (from the model's
     tokenizer)."""
 
-    def __init__(self, model_path: str | None, vocab_size: int):
+    def __init__(self, model_path: str | None, vocab_size: int, reader: DeviceReader):
         self.model_path = model_path
         self.vocab_size = vocab_size
+        self.reader = reader  # reads constrained rows' drafts (a counted wait)
         self._book: GrammarBook | None = None
 
     @property
@@ -131,24 +140,29 @@ class RowGrammars:
         if params.guided is not None:
             self.book.compile(params.guided)
 
-    def masks(
-        self, plan: Any, params: Any, end: int, drafts: torch.Tensor | None
-    ) -> torch.Tensor | None:
+    def read_drafts(self, plans: list, batch: Any) -> dict[int, list[int]]:
+        """The drafts each constrained row of ``plans`` verifies, on the host (by
+        ``id(plan)``), read in one wait through the reader: the one wait a step takes
+        beyond DESIGN.md's one per step, and only with MTP and a constrained row."""
+        rows = [
+            p for p in plans if p.num_drafts and p.row.request.sampling_params.guided is not None
+        ]
+        if not rows:
+            return {}
+        drafts = [batch.drafts_of(p.state)[: p.num_drafts] for p in rows]
+        host = self.reader.read(self.reader.start(drafts))
+        return {id(plan): drafts for plan, drafts in zip(rows, host, strict=True)}
+
+    def masks(self, plan: Any, params: Any, end: int, drafts: list[int]) -> torch.Tensor | None:
         """The bitmasks of a row (``plan``) whose first drawn position is ``end`` (its
-        output before it known to the host) verifying ``drafts`` (a device tensor, read
-        here: one more wait for a step with such a row); None without a constraint."""
+        output before it known to the host) verifying ``drafts`` (``read_drafts``); None
+        without a constraint."""
         if params.guided is None:
             return None
         state = plan.state
         output = state.token_ids[state.num_prompt_tokens : end]
         if state.matcher is None or state.matcher_len > len(output):
             state.matcher, state.matcher_len = self.book.matcher(params.guided, output), len(output)
-        for token in output[state.matcher_len :]:
-            # Tokens after the end token (an accepted run's rest; the request has ended and
-            # this row, launched before that was read, will be dropped) are not the output's.
-            if state.matcher.is_terminated():
-                break
-            if not state.matcher.accept_token(token):
-                raise ValueError(f"the output breaks its grammar at token {token}")
+        advance(state.matcher, output[state.matcher_len :])
         state.matcher_len = len(output)
-        return self.book.masks(state.matcher, drafts.tolist() if drafts is not None else [])
+        return self.book.masks(state.matcher, drafts)

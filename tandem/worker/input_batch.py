@@ -171,10 +171,6 @@ class InputBatch:
             return self.slots.drafts[state.slot, : state.slot_drafts]
         return state.drafts
 
-    def row_drafts(self, plan: RowPlan) -> torch.Tensor | None:
-        """The drafts ``plan`` verifies (a device tensor), or None."""
-        return self.drafts_of(plan.state)[: plan.num_drafts] if plan.num_drafts else None
-
     def draft_probs_of(self, state: RequestState, greedy: bool) -> torch.Tensor | None:
         """The distributions [num_drafts, V] the request's drafts were drawn from (None
         for a greedy request: q is one-hot on its drafts), wherever they are."""

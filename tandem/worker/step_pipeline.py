@@ -87,7 +87,7 @@ class StepPipeline:
         # Whether an MTP step whose rows are not all resolvable ahead goes in parts.
         self.split_steps = weight_bytes(runner.model) <= SPLIT_STEP_MAX_WEIGHT_BYTES
         self.reader = DeviceReader(self.device)
-        self.grammars = RowGrammars(runner.config.model, runner.arch.vocab_size)
+        self.grammars = RowGrammars(runner.config.model, runner.arch.vocab_size, self.reader)
         self.launch_seconds = 0.0  # the host's time in launch (preparing, queueing steps)
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
         # MTP steps resolved on the device, and those queued before the step in front of
@@ -216,6 +216,7 @@ class StepPipeline:
         sampling_plans = [plan for plan in inputs.plans if plan.samples]
         sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []
+        drafts = self.grammars.read_drafts(sampling_plans, self.batch)
         for plan in sampling_plans:
             state, params = plan.state, plan.row.request.sampling_params
             end = plan.start + plan.num_known  # the position its first draw is for
@@ -229,7 +230,7 @@ class StepPipeline:
                     len(state.token_ids) - state.num_prompt_tokens,
                     self.batch.draft_probs_of(state, params.greedy),
                     state.history(end) if params.adjusts_logits else None,
-                    self.grammars.masks(plan, params, end, self.batch.row_drafts(plan)),
+                    self.grammars.masks(plan, params, end, drafts.get(id(plan), [])),
                 )
             )
             first = plan.offset + plan.num_known - 1

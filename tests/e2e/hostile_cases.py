@@ -202,7 +202,6 @@ def unsupported_cases(path: str) -> list[Case]:
         "parallel_tool_calls": (True, False),
         "functions": ([{"name": "f"}],),
         "function_call": ("auto",),
-        "response_format": ({"type": "json_object"}, {"type": "json_schema"}),
         "modalities": (["text", "audio"],),
         "audio": ({"voice": "x"},),
         "prediction": ({"type": "content", "content": "x"},),

@@ -47,6 +47,11 @@ BOUNDS = {
         [{str(VOCAB_SIZE): 1}, {str(I64): -100}, {"15": 101}, {"15": -100.5}, {"abc": 1}]
         + [{"-1": 1}, {"1.5": 1}, {"": 1}, {"\u0663": 1}],
     ),
+    "response_format": (
+        [{"type": "text"}, {"type": "json_object"}, None],
+        [{"type": "json_schema"}, {"type": "json_schema", "json_schema": {}}, {"type": "xml"}, {}],
+    ),
+    "guided_regex": (["[a-z]+", None], ["(unclosed", ""]),
     "user": (["u", ""], SURROGATES),
     "model": ([MODEL, None], ["\ud800"]),
 }

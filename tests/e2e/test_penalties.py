@@ -73,12 +73,8 @@ def _reference(model, prompt: list[int], settings: dict, eos: set[int]) -> tuple
 
 
 @pytest.fixture(scope="module")
-def cases(llm_cache):
-    from tandem import LLM
-
-    if () not in llm_cache:
-        llm_cache[()] = LLM()
-    tokenizer = llm_cache[()].tokenizer
+def cases(offline):
+    tokenizer = offline.tokenizer
     questions = [q["turns"][0] for q in load_mtbench()[3::7]][:6]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     eos = set(tokenizer.end_token_ids)

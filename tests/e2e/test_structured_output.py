@@ -102,12 +102,8 @@ MTP = {"speculative": "mtp", "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def requests(llm_cache):
-    from tandem import LLM
-
-    if () not in llm_cache:
-        llm_cache[()] = LLM()
-    tokenizer = llm_cache[()].tokenizer
+def requests(offline):
+    tokenizer = offline.tokenizer
     asks = [f"Answer in JSON matching this schema: {json.dumps(s)}" for s in SCHEMAS]
     asks += ["Give a JSON object.", "A name and a number.", "Pick one.", "A or B?"]
     prompts = [
@@ -117,6 +113,13 @@ def requests(llm_cache):
     guided = [{"json": s} for s in SCHEMAS] + [g for g, _ in OTHERS]
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, guided=g) for g in guided]
     return prompts, params
+
+
+def _waits_per_step(llm):
+    """A function giving the host's waits for the device per engine step since now."""
+    reader = llm.engine.pipeline.reader
+    waits, steps = reader.num_waits, llm.get_metrics()["num_steps"]
+    return lambda: (reader.num_waits - waits) / (llm.get_metrics()["num_steps"] - steps)
 
 
 def _check(outputs) -> None:
@@ -132,11 +135,17 @@ def _check(outputs) -> None:
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_outputs_obey_their_constraints_and_mtp_changes_nothing(make_llm, requests, overlap):
     prompts, params = requests
-    plain = make_llm(overlap=overlap).generate(prompts, params, use_tqdm=False)
+    engine = make_llm(overlap=overlap)
+    waits = _waits_per_step(engine)
+    plain = engine.generate(prompts, params, use_tqdm=False)
+    assert waits() <= 1  # DESIGN.md invariant 6 holds for constrained rows
     _check(plain)
     mtp = make_llm(overlap=overlap, **MTP)
     before = mtp.get_metrics()
+    waits = _waits_per_step(mtp)
     speculated = mtp.generate(prompts, params, use_tqdm=False)
+    # With MTP a step with constrained rows reads their drafts too: one more wait, no other.
+    assert waits() <= 2
     after = mtp.get_metrics()
     for got, want in zip(speculated, plain, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
