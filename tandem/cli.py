@@ -9,6 +9,7 @@ import logging
 import sys
 
 from tandem.engine_options import add_engine_arguments, engine_kwargs
+from tandem.server.tool_choice import TOOL_CALL_PARSERS
 
 # ``tandem serve``: the exit status when the engine core died or stalled (a supervisor
 # restarts the server), how long /health reports it before the exit, and how long open
@@ -75,6 +76,8 @@ def _serve(args: argparse.Namespace) -> int:
     from tandem.server.engine_client import AsyncEngineClient
 
     check_rank_devices(args.device, args.tensor_parallel_size)  # before any process starts
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("tandem: error: --enable-auto-tool-choice needs --tool-call-parser")
     secret = resolve_secret(args.disagg_secret)
     if args.role != "mixed":
         require_secret(secret, f"--role {args.role}")
@@ -107,6 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_without_key=args.metrics_without_key,
         max_request_body_bytes=args.max_request_body_bytes,
         disagg_secret=secret,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -228,6 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-pending-requests", type=int, default=1024, help="503 beyond this many requests"
     )
     serve.add_argument("--log-level", default="info", help="uvicorn's log level")
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto": tool calls parsed out of the reply in the format of '
+        "--tool-call-parser (the chat template must show the model its tools)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>, Hermes "
+        "and Qwen models) or llama3_json (Llama 3.1's JSON calls)",
+    )
     serve.add_argument(
         "--role",
         choices=["mixed", "prefill", "decode"],

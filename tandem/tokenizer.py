@@ -137,9 +137,11 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         add_special_tokens: bool = False,
     ) -> list[int]:
-        """Render ``messages`` with the model's chat template and return the prompt ids
+        """Render ``messages`` (and ``tools``, the functions the model may call, for a
+        template that reads them) with the model's chat template and return the prompt ids
         (``add_special_tokens``: the tokenizer's own BOS/EOS around the rendered text too, as
         vLLM's ``/tokenize`` may ask; the chat endpoint never does). A template that refuses
         the messages (its ``raise_exception``) raises ValueError."""
@@ -151,7 +153,7 @@ class Tokenizer:
             raise ValueError("messages: expected a list of dicts, each with a 'role' key")
         try:
             text = self._hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except TemplateError as e:  # the template's own raise_exception, or a broken one
             raise ValueError(f"chat template: {e}") from None

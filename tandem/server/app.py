@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable
 
@@ -24,17 +25,13 @@ from tandem.server.engine_client import (
 from tandem.server.errors import ApiError, check_model, install_error_handlers
 from tandem.server.guards import default_max_body_bytes, install_guards
 from tandem.server.metrics import ServerMetrics
-from tandem.server.openai_serving import (
-    RequestRun,
-    make_runs,
-    prepare_chat,
-    prepare_completion,
-)
+from tandem.server.openai_serving import RequestRun, make_runs
 from tandem.server.protocol import (
     PREFILL_URL_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
 )
+from tandem.server.request_prep import prepare_chat, prepare_completion
 from tandem.server.response_streams import full_response, stream_events
 from tandem.server.tokenize_routes import install_tokenize_routes
 
@@ -213,6 +210,7 @@ def build_app(
     metrics_without_key: bool = False,
     max_request_body_bytes: int | None = None,
     disagg_secret: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving ``client``; the caller starts and stops the client (see ``lifespan``).
 
@@ -220,7 +218,8 @@ def build_app(
     ``metrics_without_key``) needs it, the docs and ``/v1/disagg/info`` included. A body
     over ``max_request_body_bytes`` (default: ``default_max_body_bytes`` of the engine's
     max_model_len) is refused with a 413 before it is read. ``disagg_secret`` (decode
-    instances): the router's signature of a prefill URL is checked with it."""
+    instances): the router's signature of a prefill URL is checked with it.
+    ``tool_call_parser``: allows ``tool_choice: "auto"``, tool calls read in that format."""
 
     body_limit = _body_limit(client, max_request_body_bytes)
 
@@ -238,6 +237,7 @@ def build_app(
     open_paths = frozenset({"/health", "/ping"} | ({"/metrics"} if metrics_without_key else set()))
     install_guards(app, body_limit, api_key, open_paths)
     prefill_addresses = PrefillAddresses(client, disagg_secret, api_key)
+    prepare_tool_chat = functools.partial(prepare_chat, tool_parser=tool_call_parser)
 
     async def run(prepare, body, request: Request):
         prefill_url = prefill_addresses.named_url(request)
@@ -263,7 +263,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await run(prepare_chat, body, request)
+        return await run(prepare_tool_chat, body, request)
 
     @app.get("/v1/models")
     async def models():

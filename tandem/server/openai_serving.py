@@ -1,19 +1,14 @@
-"""Completions and chat completions: run a request through the engine client and shape
-OpenAI responses, whole or as server-sent events."""
+"""Completions and chat completions: run a prepared request through the engine client and
+shape OpenAI responses, whole or as server-sent events."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
-from copy import copy
-from dataclasses import dataclass, field, replace
 
 from tandem.outputs import PositionLogprobs, RequestOutput
-from tandem.sampling_params import ParamError, SamplingParams
 from tandem.server.engine_client import AsyncEngineClient
 from tandem.server.logprobs_format import (
     chat_logprobs,
@@ -23,116 +18,10 @@ from tandem.server.logprobs_format import (
     vllm_prompt_logprobs,
 )
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.request_prep import PreparedRequest
+from tandem.server.tool_parsers import ToolCallStream, tool_finish_reason, whole_reply
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PreparedRequest:
-    """A validated request ready for the engine."""
-
-    kind: str  # "completion" or "chat"
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool = False
-    # PD: the control address of the prefill instance that computes the prompt's KV.
-    remote_prefill: str | None = None
-    # The engine's request id; the response's id ("cmpl-..." / "chatcmpl-...") is the same
-    # unless the request has several prompts (then each runs as "<response id>-<index>").
-    request_id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-    index: int = 0  # the choice's index
-    response_id: str = ""
-    # Completions: the prompt's text before the completion (``echo``); with
-    # ``discard_output`` (``max_tokens: 0``) nothing generated is returned.
-    echo: str | None = None
-    discard_output: bool = False
-    # vLLM's ``prompt_logprobs`` field: the top entries per prompt token (None: not asked).
-    prompt_logprobs: int | None = None
-    # ``n`` > 1: the run (of this request) whose prefill this sample waits for.
-    waits_for: int | None = None
-    # ``best_of`` > n: the samples per prompt are ranked and this many kept; the engine
-    # computes logprobs for the ranking that the response leaves out (``hide_logprobs``).
-    keep_best: int | None = None
-    hide_logprobs: bool = False
-    samples: int = 1  # the samples drawn per prompt (``n``, or ``best_of``)
-
-
-def prepare_completion(body: CompletionRequest, client: AsyncEngineClient) -> list[PreparedRequest]:
-    """A validated completion request: one prepared run per prompt (ParamError names a bad
-    field)."""
-    body.check_supported()
-    prompts = body.prompts()
-    max_tokens = body.checked_max_tokens()
-    logprobs = body.checked_logprobs()
-    # The engine's prompt logprobs: what echo with logprobs and prompt_logprobs ask for.
-    wanted = [body.prompt_logprobs]
-    if body.echo and logprobs is not None:
-        wanted.append(logprobs)
-    wanted = [n for n in wanted if n is not None]
-    best_of = body.checked_best_of()
-    ranked = best_of > body.n
-    # Ranking samples needs their cumulative logprobs: asked of the engine, not returned.
-    engine_logprobs = 0 if ranked and logprobs is None else logprobs
-    params = body.to_sampling_params(
-        max(max_tokens, 1), engine_logprobs, prompt_logprobs=max(wanted) if wanted else None
-    )
-    runs = []
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            text, token_ids = prompt, client.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        try:
-            prepared = _prepared("completion", text, token_ids, copy(params), body, client)
-        except ParamError as e:
-            if len(prompts) == 1 or e.param != "prompt":
-                raise
-            raise ParamError(f"prompt[{index}]", f"prompt[{index}]: {e}") from None
-        if body.echo:
-            prepared.echo = text if text is not None else client.tokenizer.decode(token_ids, False)
-        prepared.discard_output = max_tokens == 0
-        prepared.prompt_logprobs = body.prompt_logprobs
-        prepared.hide_logprobs = logprobs is None
-        prepared.keep_best = body.n if ranked else None
-        runs.append(prepared)
-    return _fan_out(runs, best_of)
-
-
-def sample_seed(seed: int | None, sample: int) -> int | None:
-    """The seed of sample ``sample`` (of ``n``) of a request seeded with ``seed``: the
-    request's own for the first, a hash of both for the others; None stays None (each
-    sample then gets its own seed from the engine)."""
-    if seed is None or sample == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{sample}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def _fan_out(prepared: list[PreparedRequest], n: int) -> list[PreparedRequest]:
-    """``n`` samples of each prompt's run: choice ``prompt * n + sample``, each an engine
-    request ``<response id>-<choice>`` when there are several. A sample after its prompt's
-    first waits for the first's prefill (``waits_for``), so that it finds the prompt's blocks
-    in the prefix cache: the prompt is prefilled once."""
-    runs: list[PreparedRequest] = []
-    for prompt_index, first in enumerate(prepared):
-        first_run = len(runs)
-        for sample in range(n):
-            one = first
-            if sample:
-                params = replace(first.params, seed=sample_seed(first.params.seed, sample))
-                one = replace(first, params=params, waits_for=first_run)
-            one.index, one.samples = prompt_index * n + sample, n
-            runs.append(one)
-    if len(runs) > 1:
-        response_id = runs[0].response_id
-        for one in runs:
-            one.request_id, one.response_id = f"{response_id}-{one.index}", response_id
-    return runs
 
 
 def make_runs(
@@ -144,51 +33,6 @@ def make_runs(
         if run.prepared.waits_for is not None:
             run.after = runs[run.prepared.waits_for]
     return runs
-
-
-def prepare_chat(body: ChatCompletionRequest, client: AsyncEngineClient) -> list[PreparedRequest]:
-    """A validated chat request (ParamError names a bad field; a prompt problem names
-    ``messages``)."""
-    body.check_supported()
-    if not body.messages:
-        raise ParamError("messages", "messages must not be empty")
-    messages = [m.template_fields(f"messages[{i}]") for i, m in enumerate(body.messages)]
-    max_tokens, max_tokens_field = body.checked_max_tokens()
-    renamed = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
-    params = body.to_sampling_params(max_tokens, body.checked_logprobs(), renamed)
-    token_ids = client.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
-    try:
-        prepared = _prepared("chat", None, token_ids, params, body, client)
-        prepared.prompt_logprobs = body.prompt_logprobs
-        return _fan_out([prepared], body.n)
-    except ParamError as e:
-        if e.param != "prompt":
-            raise
-        raise ParamError("messages", str(e)) from None
-
-
-def _prepared(kind, text, token_ids, params, body, client) -> PreparedRequest:
-    try:
-        client.validate_prompt(token_ids, params)
-    except ParamError as e:  # a constraint that does not compile: named as the body asks
-        if e.param != "guided":
-            raise
-        raise ParamError(body.guided_constraint()[0], str(e)) from None
-    if params.max_tokens is None:
-        params.max_tokens = client.info.max_model_len - len(token_ids)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    request_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-    return PreparedRequest(
-        kind,
-        text,
-        token_ids,
-        params,
-        body.stream,
-        include_usage,
-        body.return_token_ids,
-        request_id=request_id,
-        response_id=request_id,
-    )
 
 
 class RequestRun:
@@ -211,6 +55,8 @@ class RequestRun:
         self.after: RequestRun | None = None
         self.started = asyncio.Event()
         self.cumulative_logprob: float | None = None  # of the whole response (best_of)
+        # Chat with tools: the streamed reply split into content and tool calls.
+        self.tool_stream = ToolCallStream(prepared.tools) if prepared.tools else None
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -309,24 +155,37 @@ class RequestRun:
         return "length" if reason is not None and self.prepared.discard_output else reason
 
     def _choice(
-        self, text, tokens, logprobs, finish_reason, chunk: bool, first: bool = False
+        self, text, tokens, logprobs, finish_reason, chunk: bool, first=False, tool_calls=None
     ) -> dict:
-        """One choice in the endpoint's shape (``logprobs`` already shaped)."""
+        """One choice in the endpoint's shape (``logprobs`` already shaped; ``tool_calls``:
+        the message's calls, or a chunk's call deltas)."""
         index = self.prepared.index
         if self.prepared.kind == "completion":
             choice = {"index": index, "text": text, "logprobs": logprobs}
         elif chunk:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            if finish_reason is not None and not text:
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            elif finish_reason is not None and not text:
                 delta = {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
         else:
             message = {"role": "assistant", "content": text}
+            if tool_calls is not None:
+                message["tool_calls"] = tool_calls
             choice = {"index": index, "message": message, "logprobs": logprobs}
         choice["finish_reason"] = finish_reason
         if self.prepared.return_token_ids:
             choice["token_ids"] = list(tokens)
         return choice
+
+    def _split_tool_calls(self, text: str, finished: bool) -> tuple[str, list[dict]]:
+        """A streamed delta's content and tool-call deltas (the held-back rest at the end)."""
+        content, calls = self.tool_stream.feed(text)
+        if finished:
+            more, more_calls = self.tool_stream.finish()
+            content, calls = content + more, calls + more_calls
+        return content, calls
 
     async def response_parts(self) -> tuple[dict, dict]:
         """The whole run: its choice and the envelope's extra fields (chat's
@@ -345,12 +204,17 @@ class RequestRun:
         if self.prepared.discard_output:
             text, tokens, logprobs = [], [], []
         shaped = self._logprobs(tokens, logprobs, len(prefix))
+        content, calls, finish = prefix + "".join(text), None, self._finish(self.finish_reason)
+        if self.prepared.tools is not None:
+            content, calls = whole_reply(self.prepared.tools, content)
+            finish = tool_finish_reason(self.prepared.tools, len(calls), finish)
         choice = self._choice(
-            prefix + "".join(text),
+            content,
             tokens,
             joined(prefix_logprobs, shaped) if self.prepared.echo is not None else shaped,
-            self._finish(self.finish_reason),
+            finish,
             chunk=False,
+            tool_calls=calls,
         )
         if self.prepared.kind == "completion":
             choice.update(extra)
@@ -386,7 +250,15 @@ class RequestRun:
             started = True
             shaped = joined(prefix_logprobs, self._logprobs(tokens, logprobs, offset + len(prefix)))
             finish = self._finish(completion.finish_reason)
-            choice = self._choice(prefix + text, tokens, shaped, finish, chunk=True, first=first)
+            calls = None
+            if self.tool_stream is not None:
+                text, calls = self._split_tool_calls(text, output.finished)
+                finish = tool_finish_reason(self.prepared.tools, self.tool_stream.num_calls, finish)
+                if not (text or calls or finish or shaped or self.prepared.return_token_ids):
+                    continue  # held back: the text may open a tool call
+            choice = self._choice(
+                prefix + text, tokens, shaped, finish, chunk=True, first=first, tool_calls=calls
+            )
             offset += len(prefix) + len(text)
             first = False
             if self.prepared.kind == "completion":

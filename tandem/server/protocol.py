@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,11 +16,8 @@ from tandem.sampling_params import (
     check_int,
     check_text,
 )
+from tandem.server.chat_messages import STRICT, ChatMessage
 from tandem.server.request_constraints import guided_constraint, token_bias
-
-# Request bodies are strict (a string is not a number, 1 is not true) and closed (an unknown
-# field is a 400 naming it): nothing a client sends is silently coerced or ignored.
-STRICT = ConfigDict(extra="forbid", strict=True)
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +72,6 @@ MAX_N = 128
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 UNSUPPORTED_CHAT = MappingProxyType(
     {
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
-        "parallel_tool_calls": (None,),
         "functions": (None, []),
         "function_call": (None, "none"),
         "modalities": (None, ["text"]),
@@ -274,59 +268,6 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class ContentPart(BaseModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported
-    (other types are refused by :meth:`ChatMessage.text`, naming the part)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    """One chat message; ``name`` is handed to the chat template with the rest."""
-
-    model_config = STRICT
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    def text(self, where: str = "messages") -> str:
-        """The message's text; ParamError (``param`` is ``where`` and the part) for a part
-        that is not text, has no text or extra fields, or whose text is not valid Unicode."""
-        if self.name is not None:
-            check_text(f"{where}.name", self.name)
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            check_text(f"{where}.content", self.content)
-            return self.content
-        parts = []
-        for i, part in enumerate(self.content):
-            name = f"{where}.content[{i}]"
-            if part.type != "text":
-                kind = part.type
-                shown = repr(kind) if len(kind) < 40 else "not text"
-                raise ParamError(f"{name}.type", f"{name}: content part type {shown} is not text")
-            if part.model_extra:
-                extra = sorted(part.model_extra)[0]
-                raise ParamError(f"{name}.{extra}", f"{name}: unknown field in a text part")
-            if part.text is None:
-                raise ParamError(f"{name}.text", f"{name}.text is required")
-            check_text(f"{name}.text", part.text)
-            parts.append(part.text)
-        return "".join(parts)
-
-    def template_fields(self, where: str) -> dict[str, str]:
-        """The message as the chat template reads it (validated, see :meth:`text`)."""
-        fields = {"role": self.role, "content": self.text(where)}
-        if self.name is not None:
-            fields["name"] = self.name
-        return fields
-
-
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -337,10 +278,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # Not implemented: refused unless neutral (UNSUPPORTED_CHAT).
+    # Function calling (tandem/server/tool_choice.py).
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Not implemented: refused unless neutral (UNSUPPORTED_CHAT).
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None

@@ -12,14 +12,16 @@ gets the completions routes' 404.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel
 
 from tandem.sampling_params import ParamError, check_text
+from tandem.server.chat_messages import STRICT, ChatMessage
 from tandem.server.engine_client import AsyncEngineClient
 from tandem.server.errors import ApiError, check_model
-from tandem.server.protocol import STRICT, ChatMessage
+from tandem.server.tool_choice import checked_tools
 from tandem.tokenizer import Tokenizer
 
 
@@ -34,6 +36,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # with messages: for a chat template that reads them
     add_generation_prompt: bool | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = False
@@ -51,7 +54,10 @@ class TokenizeRequest(BaseModel):
         add_generation_prompt = self.add_generation_prompt is not False
         try:
             return tokenizer.apply_chat_template(
-                messages, add_generation_prompt, add_special_tokens=bool(self.add_special_tokens)
+                messages,
+                add_generation_prompt,
+                checked_tools(self.tools),
+                add_special_tokens=bool(self.add_special_tokens),
             )
         except ValueError as e:  # the chat template's own
             raise ParamError("messages", f"messages: {e}") from None
@@ -59,10 +65,9 @@ class TokenizeRequest(BaseModel):
     def _prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         if self.prompt is None:
             raise ParamError("prompt", "prompt (a string) or messages is required")
-        if self.add_generation_prompt is not None:
-            raise ParamError(
-                "add_generation_prompt", "add_generation_prompt applies only with messages"
-            )
+        for name in ("add_generation_prompt", "tools"):
+            if getattr(self, name) is not None:
+                raise ParamError(name, f"{name} applies only with messages")
         if not self.prompt:
             raise ParamError("prompt", "prompt is empty")
         check_text("prompt", self.prompt)

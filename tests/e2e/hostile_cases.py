@@ -197,9 +197,6 @@ def unsupported_cases(path: str) -> list[Case]:
         "echo": (True,),
         "best_of": (2, 0),
         "suffix": (" end",),
-        "tools": ([{"type": "function", "function": {"name": "f"}}],),
-        "tool_choice": ("auto", {"type": "function", "function": {"name": "f"}}),
-        "parallel_tool_calls": (True, False),
         "functions": ([{"name": "f"}],),
         "function_call": ("auto",),
         "modalities": (["text", "audio"],),
@@ -228,6 +225,55 @@ def unsupported_cases(path: str) -> list[Case]:
                 )
             )
     return cases
+
+
+def tool_cases(path: str) -> list[Case]:
+    """Function calling on a server without automatic tool choice: ``required`` and a named
+    function work with any model (the grammar writes the calls), ``auto`` is refused, as are
+    malformed tools, a parameter schema that does not compile, and a second constraint."""
+    if path != CHAT:
+        return []
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/no"}}}
+    named = {"type": "function", "function": {"name": "f"}}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    table = [
+        ("required", {"tools": [tool], "tool_choice": "required"}, "ok", None),
+        (
+            "named",
+            {"tools": [tool], "tool_choice": named, "parallel_tool_calls": False},
+            "ok",
+            None,
+        ),
+        ("none", {"tools": [tool], "tool_choice": "none"}, "ok", None),
+        ("default-auto", {"tools": [tool]}, "reject", "tool_choice"),
+        ("auto", {"tools": [tool], "tool_choice": "auto"}, "reject", "tool_choice"),
+        ("no-tools", {"tool_choice": "required"}, "reject", "tool_choice"),
+        ("not-a-tool", {"tools": [1], "tool_choice": "none"}, "reject", "tools[0]"),
+        ("bad-schema", {"tools": [broken], "tool_choice": "required"}, "reject", "tools"),
+        (
+            "two-constraints",
+            {"tools": [tool], "tool_choice": named, "response_format": {"type": "json_object"}},
+            "reject",
+            "response_format",
+        ),
+        (
+            "past-calls",
+            {"messages": [{"role": "assistant", "tool_calls": [call]}, BASE[CHAT]["messages"][0]]},
+            "ok",
+            None,
+        ),
+        (
+            "call-arguments-not-text",
+            {"messages": [{"role": "assistant", "tool_calls": [{**call, "function": {}}]}]},
+            "reject",
+            None,
+        ),
+    ]
+    return [
+        Case(f"{path}-tools-{name}", path, _with(path, **fields), expect, param)
+        for name, fields, expect, param in table
+    ]
 
 
 def bounds_cases(path: str) -> list[Case]:
@@ -340,6 +386,7 @@ def all_cases() -> list[Case]:
     cases = []
     for path in (COMPLETIONS, CHAT):
         cases += type_cases(path) + unknown_field_cases(path) + unsupported_cases(path)
+        cases += tool_cases(path)
         cases += bounds_cases(path) + combination_cases(path) + raw_cases(path)
     streamed = [
         Case(

@@ -105,6 +105,25 @@ def test_chat_template_errors(tok: Tokenizer) -> None:
         tok.hf.chat_template = saved
 
 
+def test_chat_template_reads_tools_and_tool_calls(tok: Tokenizer) -> None:
+    """A template that shows the model its tools and earlier calls (as Hermes and Qwen
+    templates do) gets both: the tools as given, a call's arguments as an object."""
+    saved = tok.hf.chat_template
+    tok.hf.chat_template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "<{{ c.function.name }}:{{ c.function.arguments.city }}>{% endfor %}{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"city": "Oslo"}}}
+    messages = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        ids = tok.apply_chat_template(messages, False, tools)
+    finally:
+        tok.hf.chat_template = saved
+    assert tok.decode(ids, False) == "[get_weather]<f:Oslo>"
+
+
 def test_hf_directory(tok: Tokenizer, tmp_path) -> None:
     tok.hf.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
