@@ -6,6 +6,9 @@
 #   tests       the `gpu`-marked tests (Triton vs torch, graphs vs eager vs HF, overlap;
 #               with two GPUs also tensor parallelism over NCCL, an engine on cuda:1 and
 #               the NCCL connector; GPU_TESTS names other test files or ids)
+#   engine-tests  the CPU suite's engine tests on the GPU (conftest.py's make_llm engines on
+#               cuda in fp32, where greedy identity is exact): ENGINE_TESTS (default the
+#               penalties and structured-output tests, with and without MTP and overlap)
 #   decode      SmolLM2 decode tok/s and GPU idle at BATCH_SIZES (default 1,8,64) in MODES
 #               (default plain,overlap,mtp,mtp+overlap), MAX_TOKENS (default 128) each;
 #               batch 1 decodes QUESTIONS (default 16; 0: one) MT-Bench first turns one
@@ -80,6 +83,12 @@ for stage in ${STAGES:-tests decode latency throughput}; do
         ${GPU_TESTS:-tests/unit/test_triton_attention.py tests/e2e/test_cuda_graphs.py tests/e2e/test_overlap.py tests/e2e/test_tensor_parallel.py tests/unit/test_nccl_connector.py tests/unit/test_cuda_ipc_connector.py} \
         > "$out/gpu_tests.txt" 2>&1
       status=$?; grep -v Warn "$out/gpu_tests.txt" | tail -30; (exit $status) ;;
+    engine-tests)
+      TANDEM_TEST_DEVICE=cuda TANDEM_TEST_DTYPE=float32 timeout "${TESTS_TIMEOUT:-560}" \
+        python3 -m pytest -q -p no:cacheprovider \
+        ${ENGINE_TESTS:-tests/e2e/test_penalties.py tests/e2e/test_structured_output.py} \
+        > "$out/engine_tests.txt" 2>&1
+      status=$?; grep -v Warn "$out/engine_tests.txt" | tail -30; (exit $status) ;;
     decode)
       status_all=0
       rows="--questions ${QUESTIONS:-16} --profile-questions ${PROFILE_QUESTIONS:-4}"

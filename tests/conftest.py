@@ -36,6 +36,14 @@ def pytest_collection_modifyitems(config, items):
 # Engines kept alive at once: each holds its own fp32 weights and KV cache (over 1 GiB), and
 # CI has 24 GiB; tests that share a configuration run next to each other.
 MAX_CACHED_ENGINES = 4
+# The engines of ``make_llm`` on another device and dtype: the GPU run of the CPU suite's
+# engine tests (``TANDEM_TEST_DEVICE=cuda TANDEM_TEST_DTYPE=float32``; a test that names
+# either keeps its own).
+TEST_ENGINE_DEFAULTS = {
+    key: os.environ[name]
+    for key, name in (("device", "TANDEM_TEST_DEVICE"), ("dtype", "TANDEM_TEST_DTYPE"))
+    if os.environ.get(name)
+}
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +60,7 @@ def make_llm(llm_cache, request):
     used: list[LLM] = []
 
     def factory(**kwargs) -> LLM:
+        kwargs = {**TEST_ENGINE_DEFAULTS, **kwargs}
         key = tuple(sorted(kwargs.items()))
         if key not in llm_cache:
             while len(llm_cache) >= MAX_CACHED_ENGINES:
