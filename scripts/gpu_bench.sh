@@ -84,7 +84,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
         > "$out/gpu_tests.txt" 2>&1
       status=$?; grep -v Warn "$out/gpu_tests.txt" | tail -30; (exit $status) ;;
     engine-tests)
-      TANDEM_TEST_DEVICE=cuda TANDEM_TEST_DTYPE=float32 timeout "${TESTS_TIMEOUT:-560}" \
+      TANDEM_TEST_DEVICE=cuda TANDEM_TEST_DTYPE=float32 TANDEM_TEST_KV_CACHE_GB=4 timeout "${TESTS_TIMEOUT:-560}" \
         python3 -m pytest -q -p no:cacheprovider \
         ${ENGINE_TESTS:-tests/e2e/test_penalties.py tests/e2e/test_structured_output.py} \
         > "$out/engine_tests.txt" 2>&1

@@ -37,11 +37,16 @@ def pytest_collection_modifyitems(config, items):
 # CI has 24 GiB; tests that share a configuration run next to each other.
 MAX_CACHED_ENGINES = 4
 # The engines of ``make_llm`` on another device and dtype: the GPU run of the CPU suite's
-# engine tests (``TANDEM_TEST_DEVICE=cuda TANDEM_TEST_DTYPE=float32``; a test that names
-# either keeps its own).
+# engine tests (``TANDEM_TEST_DEVICE=cuda TANDEM_TEST_DTYPE=float32
+# TANDEM_TEST_KV_CACHE_GB=4``: several engines share the GPU); a test that names one keeps
+# its own.
 TEST_ENGINE_DEFAULTS = {
-    key: os.environ[name]
-    for key, name in (("device", "TANDEM_TEST_DEVICE"), ("dtype", "TANDEM_TEST_DTYPE"))
+    key: kind(os.environ[name])
+    for key, name, kind in (
+        ("device", "TANDEM_TEST_DEVICE", str),
+        ("dtype", "TANDEM_TEST_DTYPE", str),
+        ("kv_cache_memory_gb", "TANDEM_TEST_KV_CACHE_GB", float),
+    )
     if os.environ.get(name)
 }
 
