@@ -46,12 +46,17 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class GrammarBook:
     """Compiled grammars of one tokenizer (cached by constraint) and their matchers."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int):
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, end_token_ids: list[int]):
         import xgrammar
 
         self._xgr = xgrammar
         self.vocab_size = vocab_size
-        self.info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        # The model's own end tokens (as the engine reads them), not xgrammar's guess from
+        # the tokenizer (which depends on the transformers version: under transformers 5 it
+        # took <|im_start|> for SmolLM2's end, and a complete output could not stop).
+        self.info = xgrammar.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=end_token_ids
+        )
         self.compiler = xgrammar.GrammarCompiler(self.info)
         self._compiled: dict[str, Any] = {}
         self._stop_only = torch.zeros(-(-vocab_size // 32), dtype=torch.int32)
@@ -131,8 +136,8 @@ class RowGrammars:
             path = resolve_model(self.model_path)
             if path.startswith("dummy:"):
                 raise ParamError("guided", "structured output needs the model's own tokenizer")
-            hf = Tokenizer.from_model_path(path).hf
-            self._book = GrammarBook(hf, self.vocab_size)
+            tokenizer = Tokenizer.from_model_path(path)
+            self._book = GrammarBook(tokenizer.hf, self.vocab_size, sorted(tokenizer.end_token_ids))
         return self._book
 
     def check(self, params: Any) -> None:
