@@ -16,7 +16,7 @@ import time
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.bench.spec import _prompts, acceptance, run_spec_bench
+from tandem.bench.spec import acceptance, first_turns, run_spec_bench
 from tandem.train.mtp_distill import TrainConfig, pack_sequences, train_mtp
 
 model, data_path, out_dir, budget = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
@@ -123,7 +123,10 @@ if stage in ("all", "train", "accept"):
         num_speculative_tokens=3,
         speculative_model=head_dir,
     )
-    prompts = _prompts(llm.tokenizer, questions)
+    prompts = [
+        {"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": t}])}
+        for t in first_turns("mtbench", questions)
+    ]
     before = llm.get_metrics()
     start = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens), use_tqdm=False)
@@ -142,10 +145,10 @@ if stage in ("all", "train", "accept"):
 if stage in ("all", "speed"):
     questions, tokens = (4, 8) if smoke else (80, 256)
     report["spec"] = run_spec_bench(
-        model, head_dir, 3, [16], questions, tokens, device, dtype_name, None
+        model, [head_dir], 3, [16], questions, tokens, device, dtype_name, None
     )
     report["spec_batch1"] = run_spec_bench(
-        model, head_dir, 3, [1], 2 if smoke else 8, tokens // 2, device, dtype_name, None
+        model, [head_dir], 3, [1], 2 if smoke else 8, tokens // 2, device, dtype_name, None
     )
 
 with open(os.path.join(out_dir, f"gpu_mtp_{stage}.json"), "w") as f:

@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name, help_text in (  # `tandem bench NAME`, its tandem.bench module
         ("throughput", "throughput", "offline throughput against HF"),
         ("serve", "serving", "online benchmark of an OpenAI server"),
-        ("spec", "spec", "MTP acceptance and speedup on MT-Bench"),
+        ("spec", "spec", "MTP acceptance and speedup on held-out prompts, per head"),
         ("decode", "decode", "decode tokens/s and GPU idle fraction"),
         ("latency", "latency", "ms per output token against the bandwidth roofline"),
         ("pd", "pd", "prefill/decode disaggregation against a mixed instance"),

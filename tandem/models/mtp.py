@@ -191,6 +191,29 @@ def save_head(
         json.dump(config, f, indent=2)
 
 
+def head_training_tokens(head_dir: str | None) -> tuple[int | None, bool]:
+    """The tokens a head was trained on, from its config's ``training`` record
+    (``total_tokens``, else its last run's steps x batch x length), and whether the count is
+    complete (False when that run continued another head whose count it lacks)."""
+    if head_dir is None:
+        return None, False
+    try:
+        with open(os.path.join(head_dir, HEAD_CONFIG_FILE)) as f:
+            training = json.load(f).get("training")
+    except (OSError, ValueError):
+        return None, False
+    if not isinstance(training, dict):
+        return None, False
+    if isinstance(training.get("total_tokens"), int):
+        return training["total_tokens"], True
+    config = training.get("config") or {}
+    try:
+        tokens = int(training["steps_run"]) * int(config["batch_size"]) * int(config["seq_len"])
+    except (KeyError, TypeError, ValueError):
+        return None, False
+    return tokens, config.get("init_head") is None
+
+
 DUMMY_HEAD = "dummy"
 
 

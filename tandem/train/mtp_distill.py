@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tandem.layers.attention import DenseCausalBackend
 from tandem.models.llama import LlamaModel
 from tandem.models.loader import ModelFiles, load_model
-from tandem.models.mtp import MTPHead, load_mtp_head, save_head
+from tandem.models.mtp import MTPHead, head_training_tokens, load_mtp_head, save_head
 
 
 @dataclass
@@ -200,6 +200,10 @@ def train_mtp(
     if bar is not None:
         bar.close()
     summary = {"config": asdict(config), "steps_run": step, "history": history, "model": files.path}
+    # Tokens seen, this run's and the continued head's, when that head's count is complete.
+    earlier, complete = head_training_tokens(config.init_head) if config.init_head else (0, True)
+    if complete:
+        summary["total_tokens"] = earlier + step * config.batch_size * config.seq_len
     if out_dir is not None:
         # bf16 keeps the shipped file small; the engine casts it to its own dtype.
         save_head(

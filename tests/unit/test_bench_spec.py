@@ -1,0 +1,98 @@
+"""``tandem bench spec`` for a head study: held-out prompts (ShareGPT past the records
+training may have used), the training tokens read from head configs and recorded by
+``train_mtp``, and one run over two heads on the CPU with its JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.bench.datasets import iter_sharegpt
+from tandem.bench.spec import first_turns, run_spec_bench
+from tandem.models.mtp import HEAD_CONFIG_FILE, head_training_tokens
+from tandem.train.mtp_distill import TrainConfig, train_mtp
+
+SHIPPED_HEAD = str(Path(__file__).resolve().parents[2] / "tandem/heads/smollm2-135m-instruct")
+
+
+def write_config(directory, training) -> str:
+    directory.mkdir()
+    (directory / HEAD_CONFIG_FILE).write_text(json.dumps({"num_layers": 1, "training": training}))
+    return str(directory)
+
+
+def test_training_tokens_from_head_configs(tmp_path):
+    run = {"steps_run": 10, "config": {"batch_size": 4, "seq_len": 8, "init_head": None}}
+    assert head_training_tokens(write_config(tmp_path / "a", run)) == (320, True)
+    continued = {**run, "config": {**run["config"], "init_head": "elsewhere"}}
+    assert head_training_tokens(write_config(tmp_path / "b", continued)) == (320, False)
+    counted = {**continued, "total_tokens": 1000}
+    assert head_training_tokens(write_config(tmp_path / "c", counted)) == (1000, True)
+    assert head_training_tokens(write_config(tmp_path / "d", "no")) == (None, False)
+    assert head_training_tokens(str(tmp_path / "missing")) == (None, False)
+    assert head_training_tokens(None) == (None, False)
+    assert head_training_tokens(SHIPPED_HEAD) == (5892 * 32 * 256, False)
+
+
+def test_train_mtp_records_the_tokens_it_saw(tmp_path):
+    tokens = torch.randint(0, 500, (8, 16))
+    config = TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=1)
+    first = str(tmp_path / "first")
+    _, summary = train_mtp("dummy:tiny", tokens, tokens[:2], config, out_dir=first, progress=False)
+    assert summary["total_tokens"] == 2 * 2 * 16
+    assert head_training_tokens(first) == (64, True)
+    then = TrainConfig(steps=3, batch_size=2, seq_len=16, eval_every=1, init_head=first)
+    _, summary = train_mtp("dummy:tiny", tokens, tokens[:2], then, progress=False)
+    assert summary["total_tokens"] == 64 + 3 * 2 * 16
+
+
+def test_sharegpt_turns_are_past_the_skipped_records():
+    skip = 50
+    turns = first_turns("sharegpt", 3, sharegpt_skip=skip)
+    expected = []
+    for record in islice(iter_sharegpt(), skip, None):
+        first = record["conversations"][0] if record.get("conversations") else {}
+        if first.get("from") == "human" and first.get("value", "").strip():
+            expected.append(first["value"])
+        if len(expected) == 3:
+            break
+    assert turns == expected
+    assert len(first_turns("mtbench", 5)) == 5
+    with pytest.raises(ValueError, match="dataset"):
+        first_turns("alpaca", 1)
+
+
+@pytest.mark.slow  # three engines on the CPU
+def test_a_study_of_two_heads_writes_json_and_png(tmp_path):
+    png = tmp_path / "study.png"
+    results = run_spec_bench(
+        None,
+        [SHIPPED_HEAD, "dummy"],
+        2,
+        [2],
+        2,
+        8,
+        "cpu",
+        None,
+        str(tmp_path),
+        dataset="sharegpt",
+        sharegpt_skip=20,
+        plot=str(png),
+    )
+    written = json.loads(open(results["output_path"]).read())
+    assert written["config"]["dataset"] == "sharegpt" and written["config"]["sharegpt_skip"] == 20
+    shipped, dummy = written["runs"]
+    assert shipped["head"] == SHIPPED_HEAD and shipped["training_tokens"] == 5892 * 32 * 256
+    assert dummy["training_tokens"] is None
+    for run in (shipped, dummy):
+        assert len(run["acceptance_rate_per_position"]) == 2
+        assert run["mean_acceptance_length"] == pytest.approx(
+            1 + run["num_accepted_tokens"] / run["num_drafts"]
+        )
+    # The trained head accepts more than a random one.
+    assert shipped["mean_acceptance_length"] > dummy["mean_acceptance_length"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
