@@ -282,21 +282,26 @@ def resolve_auto_speculation(config, files):
     )
 
 
+def random_head(arch: ModelArchConfig, num_layers: int, rotary, seed: int = 0) -> MTPHead:
+    """A head of ``num_layers`` random layers (norms at one), the same for the same seed."""
+    head = MTPHead(arch, num_layers, rotary)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.empty(param.shape).uniform_(-0.05, 0.05, generator=generator))
+    return head
+
+
 def load_mtp_head(source: str | None, files, rotary, seed: int = 0) -> MTPHead:
     """The MTP head for ``files``'s model: ``source`` is a Tandem head directory, 'dummy'
     (random weights, for tests and benchmarks), or None (the checkpoint's own MTP layers,
     else the head shipped for the default model)."""
     arch = files.arch
     if source == DUMMY_HEAD:
-        head = MTPHead(arch, 1, rotary)
-        generator = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, param in head.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    param.copy_(torch.empty(param.shape).uniform_(-0.05, 0.05, generator=generator))
-        return head
+        return random_head(arch, 1, rotary, seed)
     if source is None:
         layout = _checkpoint_layout(files)
         if layout is not None:

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from tandem.layers.attention import DenseCausalBackend
 from tandem.models.llama import LlamaModel
 from tandem.models.loader import ModelFiles, load_model
-from tandem.models.mtp import MTPHead, head_training_tokens, load_mtp_head, save_head
+from tandem.models.mtp import (
+    MTPHead,
+    head_training_tokens,
+    load_mtp_head,
+    random_head,
+    save_head,
+)
 
 
 @dataclass
@@ -41,6 +47,8 @@ class TrainConfig:
     time_budget_s: float | None = None
     # A head directory to continue from (fine-tuning); None starts from the base's last layer.
     init_head: str | None = None
+    # MTP layers of a new head (a continued head keeps its own).
+    num_layers: int = 1
 
 
 def pack_sequences(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
@@ -96,40 +104,52 @@ DEPTH_WEIGHTS = (1.0, 0.7, 0.5)
 
 def distill_loss(head, model, tokens, depths: int = len(DEPTH_WEIGHTS)):
     """KL(base || head) summed over draft depths, and the first draft's greedy agreement
-    with the base (an acceptance estimate).
+    with the base (an acceptance estimate), exactly as the engine chains drafts.
 
-    Depth d (0-based) runs at positions q in [d, T-2] on the previous depth's hidden state
-    at q-1 (the base's own at depth 0) and the token at q+1, and learns the base's
-    distribution over the token at q+2, exactly as the engine chains drafts.
+    A depth with a layer of its own (depth < the head's layers) runs at every position q in
+    [0, T-2] on the previous layer's output at q-1 (the base's own hidden state at q for
+    depth 0; zeros at q = 0) and the token at q+1, as the engine keeps each layer's KV at
+    every position; a later depth repeats the last layer at positions [d, T-2] on the
+    previous depth's output at q-1. Each learns the base's distribution over the token at
+    q+2.
     """
     hidden, base_logprobs = _base_outputs(model, tokens)
     batch, seq_len = tokens.shape
-    previous = hidden
+    previous, previous_start = hidden, 0  # the previous depth's rows, from this position
     total = hidden.new_zeros((), dtype=torch.float32)
     first_agree = None
     for depth in range(depths):
-        length = seq_len - 1 - depth
+        own_layer = depth < head.num_layers
+        start = 0 if own_layer else depth
+        length = seq_len - 1 - start
         if length < 1:
             break
+        if depth == 0:
+            inputs = hidden[:, :length]
+        elif own_layer:
+            inputs = torch.cat([torch.zeros_like(previous[:, :1]), previous[:, : length - 1]], 1)
+        else:
+            first = start - 1 - previous_start
+            inputs = previous[:, first : first + length]
         layer = head.layers[head.layer_for_depth(depth)]
         backend = DenseCausalBackend(batch, length)
-        positions = torch.arange(depth, depth + length, device=tokens.device).repeat(batch)
-        embeds = model.embed_tokens(tokens[:, depth + 1 :]).reshape(batch * length, -1)
+        positions = torch.arange(start, start + length, device=tokens.device).repeat(batch)
+        embeds = model.embed_tokens(tokens[:, start + 1 :]).reshape(batch * length, -1)
         g = layer(
             positions,
             embeds.detach(),
-            previous[:, :length].reshape(batch * length, -1),
+            inputs.reshape(batch * length, -1),
             (None, None),
             None,
             backend,
         ).view(batch, length, -1)
         student = model.compute_logits(layer.final_norm(g)).log_softmax(dim=-1)
-        teacher = base_logprobs[:, depth + 1 :]
+        teacher = base_logprobs[:, start + 1 :]
         kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
         total = total + DEPTH_WEIGHTS[min(depth, len(DEPTH_WEIGHTS) - 1)] * kl
         if first_agree is None:
             first_agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
-        previous = g
+        previous, previous_start = g, start
     return total, first_agree
 
 
@@ -143,7 +163,8 @@ def train_mtp(
     out_dir: str | None = None,
     progress: bool = True,
 ) -> tuple[MTPHead, dict]:
-    """Train a one-layer head; returns it and a summary (losses, held-out agreement)."""
+    """Train a head (``config.num_layers`` layers, or continue ``config.init_head``); returns
+    it and a summary (losses, held-out agreement, tokens seen)."""
     torch.manual_seed(config.seed)
     files = ModelFiles(model)
     base = load_model(files, config.seq_len + 8, dtype, torch.device(device), config.seed)
@@ -151,7 +172,7 @@ def train_mtp(
     if config.init_head is not None:
         head = load_mtp_head(config.init_head, files, base.rotary).to(device, torch.float32)
     else:
-        head = load_mtp_head("dummy", files, base.rotary, config.seed).to(device)
+        head = random_head(files.arch, config.num_layers, base.rotary, config.seed).to(device)
         _init_head_from_base(head, base)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     history: list[dict] = []
@@ -241,16 +262,17 @@ def evaluate(head, base, eval_tokens, config: TrainConfig, device, dtype) -> flo
 
 
 def _init_head_from_base(head: MTPHead, base: LlamaModel) -> None:
-    """Start the head's block from the base's last decoder layer (a good prior) and its
-    projection as 'take the hidden state', so training starts from a sensible draft."""
-    layer = head.layers[0]
+    """Start each head layer's block from one of the base's last decoder layers (the first
+    from the last, a good prior) and its projection as 'take the hidden state', so training
+    starts from a sensible draft."""
+    hidden = base.arch.hidden_size
     with torch.no_grad():
-        layer.block.load_state_dict(base.layers[-1].state_dict())
-        layer.final_norm.weight.copy_(base.norm.weight)
-        hidden = base.arch.hidden_size
-        layer.eh_proj.weight.zero_()
-        layer.eh_proj.weight[:, hidden:].copy_(torch.eye(hidden))
-        layer.eh_proj.weight[:, :hidden].copy_(0.1 * torch.eye(hidden))
+        for index, layer in enumerate(head.layers):
+            layer.block.load_state_dict(base.layers[-1 - index].state_dict())
+            layer.final_norm.weight.copy_(base.norm.weight)
+            layer.eh_proj.weight.zero_()
+            layer.eh_proj.weight[:, hidden:].copy_(torch.eye(hidden))
+            layer.eh_proj.weight[:, :hidden].copy_(0.1 * torch.eye(hidden))
 
 
 def build_data(
@@ -323,6 +345,7 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--data", default=None, help="token data saved by --save-data")
     parser.add_argument("--save-data", default=None, help="save the packed data and exit")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=1, help="MTP layers of a new head")
     parser.add_argument(
         "--init-head",
         default=None,
@@ -357,6 +380,7 @@ def main_from_args(args) -> int:
         seed=args.seed,
         time_budget_s=args.time_budget,
         init_head=args.init_head,
+        num_layers=args.num_layers,
     )
     _, summary = train_mtp(
         args.model,

@@ -41,10 +41,12 @@ def _attention_backend(name: str) -> AttentionBackend:
 def kv_cache_bytes_per_block(
     arch, block_size: int, dtype: torch.dtype, num_extra_layers: int = 0
 ) -> int:
-    """Bytes that one KV block takes over all layers (keys and values), MTP layers too."""
+    """Bytes that one KV block takes over all layers (keys and values), MTP layers too, and
+    a head of several MTP layers' hidden states between them (``MTPProposer``)."""
     element = torch.empty((), dtype=dtype).element_size()
     layers = arch.num_layers + num_extra_layers
-    return 2 * layers * block_size * arch.num_kv_heads * arch.head_dim * element
+    hidden = max(num_extra_layers - 1, 0) * block_size * arch.hidden_size * element
+    return 2 * layers * block_size * arch.num_kv_heads * arch.head_dim * element + hidden
 
 
 def on_runner_device(method):
@@ -86,6 +88,12 @@ class ModelRunner:
         self.mtp_head = None
         if use_mtp:
             mtp_head = load_mtp_head(mtp_source, files, self.model.rotary, config.seed)
+            if mtp_head.num_layers > 1 and config.disagg.role != "mixed":
+                # Its hidden caches (MTPProposer) do not travel with the KV.
+                raise ValueError(
+                    f"PD role {config.disagg.role!r}: an MTP head of {mtp_head.num_layers} "
+                    "layers is not supported there yet (one layer is)"
+                )
             self.mtp_head = mtp_head.to(device=self.device, dtype=self.dtype).eval()
         if world_size > 1:
             shard_model(self.model, rank, world_size, model_name=files.path)
@@ -130,8 +138,19 @@ class ModelRunner:
                 torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
                 for _ in range(self.mtp_head.num_layers)
             ]
+            hidden_shape = (num_blocks + 1, self.block_size, self.arch.hidden_size)
+            hidden_caches = [
+                torch.zeros(hidden_shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.mtp_head.num_layers - 1)
+            ]
             self.proposer = MTPProposer(
-                self.mtp_head, self.model, mtp_caches, self.backend, self.block_size, self.device
+                self.mtp_head,
+                self.model,
+                mtp_caches,
+                self.backend,
+                self.block_size,
+                self.device,
+                hidden_caches,
             )
         elif self.config.speculative.method == "oracle":  # benchmarks only
             self.proposer = OracleProposer(

@@ -61,10 +61,17 @@ class MTPProposer:
         backend: AttentionBackend,
         block_size: int,
         device: torch.device,
+        hidden_caches: list[torch.Tensor] | None = None,
     ):
         self.head, self.model, self.kv_caches = head, model, kv_caches
         self.backend, self.block_size, self.device = backend, block_size, device
         self.graphs = None  # a DraftGraphRunner for depths >= 1 of greedy batches (CUDA)
+        # A head of several layers: layer L's output at every position, paged as the KV
+        # cache ([blocks, block_size, hidden], one per layer but the last), which layer L + 1
+        # reads one position later (``_later_layers``). Its steps take the host-read path.
+        self.hidden_caches = hidden_caches or []
+        if head.num_layers > 1:
+            self.resolves_on_device = False
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + (
@@ -81,8 +88,11 @@ class MTPProposer:
         seq_lens,
         block_tables,
         slots: list[int],
+        layer_index: int | None = None,
     ) -> torch.Tensor:
-        layer_index = self.head.layer_for_depth(depth)
+        """One MTP layer over rows (the drafting ``depth``'s layer unless ``layer_index``)."""
+        if layer_index is None:
+            layer_index = self.head.layer_for_depth(depth)
         device = self.device
         metadata = self.backend.build_metadata(
             query_lens,
@@ -101,6 +111,42 @@ class MTPProposer:
             self.backend,
         )
 
+    def _later_layers(
+        self,
+        first: torch.Tensor,
+        rows: list[ProposalRow],
+        positions: list[int],
+        next_tokens: torch.Tensor,
+        slots: list[int],
+        previous_slots: list[int],
+    ) -> None:
+        """Layers 1.. of a head of several over the rows depth 0 ran, so that each keeps KV
+        at every position as the first does: layer L's row at position q takes layer L - 1's
+        output at q - 1 (zeros at position 0) and the token at q + 1. Each layer's outputs
+        go to its hidden cache first, then the next layer gathers them a position later
+        (the row at a step's first position reads what the step before wrote)."""
+        device = self.device
+        slot_ids = to_device(slots, torch.long, device)
+        previous_ids = to_device(previous_slots, torch.long, device)
+        known = (previous_ids >= 0).unsqueeze(1)
+        gather = previous_ids.clamp(min=0)
+        outputs = first
+        for index in range(1, self.head.num_layers):
+            cache = self.hidden_caches[index - 1].view(-1, outputs.shape[-1])
+            cache.index_copy_(0, slot_ids, outputs.to(cache.dtype))
+            inputs = cache.index_select(0, gather) * known.to(cache.dtype)
+            outputs = self._layer_pass(
+                index,
+                positions,
+                next_tokens,
+                inputs,
+                [len(r.positions) for r in rows],
+                [r.positions[-1] + 1 for r in rows],
+                [r.block_ids for r in rows],
+                slots,
+                layer_index=index,
+            )
+
     def propose(
         self,
         rows: list[ProposalRow],
@@ -118,16 +164,23 @@ class MTPProposer:
         device = self.device
         positions = [p for r in rows for p in r.positions]
         hidden_rows = to_device([i for r in rows for i in r.hidden_rows], torch.long, device)
+        next_tokens = to_device([t for r in rows for t in r.next_tokens], torch.long, device)
+        slots = [self._slot(r.block_ids, p) for r in rows for p in r.positions]
         hidden = self._layer_pass(
             0,
             positions,
-            to_device([t for r in rows for t in r.next_tokens], torch.long, device),
+            next_tokens,
             target_hidden.index_select(0, hidden_rows),
             [len(r.positions) for r in rows],
             [r.positions[-1] + 1 for r in rows],
             [r.block_ids for r in rows],
-            [self._slot(r.block_ids, p) for r in rows for p in r.positions],
+            slots,
         )
+        if self.hidden_caches:
+            previous = [
+                self._slot(r.block_ids, p - 1) if p else -1 for r in rows for p in r.positions
+            ]
+            self._later_layers(hidden, rows, positions, next_tokens, slots, previous)
         drafting = [(i, r) for i, r in enumerate(rows) if r.num_drafts > 0]
         if not drafting:
             return proposal

@@ -1,0 +1,176 @@
+"""A head of two MTP layers (issue 22), fp32 on the CPU. Each layer keeps KV at every
+position, layer 1's row at q taking layer 0's output at q - 1 (zeros at 0), so every draft
+the engine makes (prompt chunks, then verified steps) equals a dense reference forward of
+the same head over the full sequence, written here from the definition: layer 0 over the
+target's hidden states, layer 1 over layer 0's shifted outputs, then the draft chain (depth
+1 on layer 1, depth 2 repeating it). Greedy outputs equal plain decoding (lossless); the
+training loss runs the same layout; PD roles refuse such a head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.bench.datasets import load_mtbench
+from tandem.config import DisaggConfig, EngineConfig, SpeculativeConfig
+from tandem.core.engine_core import EngineCore
+from tandem.layers.attention import DenseCausalBackend
+from tandem.models.loader import ModelFiles, default_model_path, load_model
+from tandem.models.mtp import MTPHead, load_mtp_head, random_head, save_head
+from tandem.train.mtp_distill import distill_loss
+
+pytestmark = pytest.mark.slow  # three engines and a dense reference per draft step
+
+K = 3
+MAX_TOKENS = 24
+TIE = 1e-4  # a reference draft whose top two logits are closer is not compared
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory) -> str:
+    """Two layers, each a copy of the shipped head's trained layer (its first drafts are
+    often accepted), saved in fp32."""
+    files = ModelFiles(default_model_path())
+    base = load_model(files, 512, torch.float32, torch.device("cpu"))
+    shipped = load_mtp_head(None, files, base.rotary)
+    head = MTPHead(files.arch, 2, base.rotary)
+    for layer in head.layers:
+        layer.load_state_dict(shipped.layers[0].state_dict())
+    directory = str(tmp_path_factory.mktemp("two-layer-head"))
+    save_head(head, directory, "test", dtype=torch.float32)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def prompts(offline_tokenizer) -> list[dict]:
+    questions = [q["turns"][0] for q in load_mtbench()[1::20]][:4]
+    return [
+        {
+            "prompt_token_ids": offline_tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}]
+            )
+        }
+        for q in questions
+    ]
+
+
+@pytest.fixture(scope="module")
+def offline_tokenizer():
+    from tandem.tokenizer import Tokenizer
+
+    return Tokenizer.from_model_path(default_model_path())
+
+
+def _dense_layer(layer, positions, tokens, hidden, model) -> torch.Tensor:
+    n = len(positions)
+    return layer(
+        torch.tensor(positions),
+        model.embed_tokens(torch.tensor(tokens)),
+        hidden,
+        (None, None),
+        None,
+        DenseCausalBackend(1, n),
+    )
+
+
+def _argmax_or_tie(model, layer, g) -> int | None:
+    logits = model.compute_logits(layer.final_norm(g.unsqueeze(0)))[0]
+    top = logits.topk(2)
+    return None if float(top.values[0] - top.values[1]) < TIE else int(top.indices[0])
+
+
+@torch.inference_mode()
+def reference_drafts(model, head, seq: list[int], e: int, drafts: list[int]) -> list[int | None]:
+    """The drafts at drafting position ``e`` of ``seq`` (its tokens through e + 1 known),
+    each depth on the engine's drafts before it; None where the reference is a near-tie."""
+    n = e + 1
+    caches = [(None, None)] * len(model.layers)
+    target = model(torch.tensor(seq[:n]), torch.arange(n), caches, None, DenseCausalBackend(1, n))
+    layer0, layer1 = head.layers
+    # Layer 0 at every position q <= e: the target's h[q] and the token at q + 1.
+    g0 = _dense_layer(layer0, list(range(n)), seq[1 : n + 1], target, model)
+    wanted = [_argmax_or_tie(model, layer0, g0[e])]
+    # Layer 1 at every q <= e on layer 0's output at q - 1, then the chain: depth 1 at e + 1
+    # (layer 0's output at e, draft 1), depth 2 at e + 2 (depth 1's output, draft 2).
+    stream = torch.cat([torch.zeros_like(g0[:1]), g0[:-1]])
+    rows_hidden, rows_tokens = [stream, g0[e:]], seq[1 : n + 1] + [drafts[0]]
+    for depth in range(1, K):
+        out = _dense_layer(
+            layer1, list(range(n + depth)), rows_tokens, torch.cat(rows_hidden), model
+        )
+        wanted.append(_argmax_or_tie(model, layer1, out[-1]))
+        rows_hidden.append(out[-1:])
+        rows_tokens = rows_tokens + [drafts[depth]]
+    return wanted
+
+
+def _recorded(llm: LLM, monkeypatch) -> list[tuple[str, int, list[int]]]:
+    """(request, drafting position, drafts) of every draft run of ``llm``'s proposer."""
+    proposer = llm.engine.runner.proposer
+    propose, records = proposer.propose, []
+
+    def recording(rows, target_hidden, sampling):
+        proposal = propose(rows, target_hidden, sampling)
+        for row in rows:
+            if row.request_id in proposal.draft_token_ids:
+                drafts = proposal.draft_token_ids[row.request_id].tolist()
+                records.append((row.request_id, row.positions[-1], drafts))
+        return proposal
+
+    monkeypatch.setattr(proposer, "propose", recording)
+    return records
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_drafts_equal_the_dense_reference_and_outputs_plain_decoding(
+    make_llm, head_dir, prompts, overlap, monkeypatch
+):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    plain = make_llm(overlap=overlap).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(
+        overlap=overlap, speculative="mtp", num_speculative_tokens=K, speculative_model=head_dir
+    )
+    assert llm.engine.runner.mtp_head.num_layers == 2
+    records = _recorded(llm, monkeypatch)
+    before = llm.get_metrics()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for got, want in zip(outputs, plain, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids  # lossless
+    after = llm.get_metrics()
+    assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
+    sequences = {o.request_id: o.prompt_token_ids + list(o.outputs[0].token_ids) for o in outputs}
+    compared = ties = 0
+    for request_id, e, drafts in records:
+        seq = sequences[request_id]
+        if e + 1 >= len(seq):
+            continue  # the request ended at e: nothing after it was kept
+        wanted = reference_drafts(
+            llm.engine.runner.model, llm.engine.runner.mtp_head, seq, e, drafts
+        )
+        for depth, (got, want) in enumerate(zip(drafts, wanted, strict=True)):
+            if want is None:
+                ties += 1
+                continue
+            assert got == want, (request_id, e, depth, drafts, wanted)
+            compared += 1
+    assert compared >= 3 * len(prompts) * K and ties <= compared // 20
+
+
+def test_training_runs_the_same_layout():
+    files = ModelFiles("dummy:tiny")
+    base = load_model(files, 64, torch.float32, torch.device("cpu"))
+    head = random_head(files.arch, 2, base.rotary)
+    loss, agree = distill_loss(head, base, torch.randint(0, 500, (2, 16)))
+    loss.backward()
+    assert torch.isfinite(loss) and 0 <= float(agree) <= 1
+    assert head.layers[1].eh_proj.weight.grad.abs().sum() > 0  # layer 1 learns
+
+
+def test_pd_roles_refuse_a_head_of_two_layers(head_dir):
+    config = EngineConfig(
+        speculative=SpeculativeConfig("mtp", K, model=head_dir),
+        disagg=DisaggConfig(role="prefill", secret="test-multilayer-secret"),
+    )
+    with pytest.raises(ValueError, match="2 layers"):
+        EngineCore(config)
