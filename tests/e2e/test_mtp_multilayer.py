@@ -174,3 +174,21 @@ def test_pd_roles_refuse_a_head_of_two_layers(head_dir):
     )
     with pytest.raises(ValueError, match="2 layers"):
         EngineCore(config)
+
+
+def test_sampled_requests_draft_with_both_layers(make_llm, head_dir, prompts):
+    """Rejection sampling over the two-layer head's sampled drafts: seeded requests give the
+    same tokens twice, and drafts are accepted (the distribution itself: the chi-square tests
+    of ``tests/unit/test_verification.py``)."""
+    llm = make_llm(speculative="mtp", num_speculative_tokens=K, speculative_model=head_dir)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS)
+        for seed in range(len(prompts))
+    ]
+    before = llm.get_metrics()
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(first, again, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    after = llm.get_metrics()
+    assert after["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
