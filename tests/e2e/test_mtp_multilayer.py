@@ -3,8 +3,9 @@ position, layer 1's row at q taking layer 0's output at q - 1 (zeros at 0), so e
 the engine makes (prompt chunks, then verified steps) equals a dense reference forward of
 the same head over the full sequence, written here from the definition: layer 0 over the
 target's hidden states, layer 1 over layer 0's shifted outputs, then the draft chain (depth
-1 on layer 1, depth 2 repeating it). Greedy outputs equal plain decoding (lossless); the
-training loss runs the same layout; PD roles refuse such a head."""
+1 on layer 1, depth 2 repeating it); the steps resolved on the device draft the same.
+Greedy outputs equal plain decoding (lossless); the training loss runs the same layout; PD
+roles refuse such a head."""
 
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ def test_drafts_equal_the_dense_reference_and_outputs_plain_decoding(
         overlap=overlap, speculative="mtp", num_speculative_tokens=K, speculative_model=head_dir
     )
     assert llm.engine.runner.mtp_head.num_layers == 2
+    # Every step on the host-read path, whose drafts are recorded here (the steps resolved
+    # on the device: the next test).
+    monkeypatch.setattr(llm.engine.pipeline.mtp, "row_resolvable", lambda row, ahead: False)
     records = _recorded(llm, monkeypatch)
     before = llm.get_metrics()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -155,6 +159,32 @@ def test_drafts_equal_the_dense_reference_and_outputs_plain_decoding(
             assert got == want, (request_id, e, depth, drafts, wanted)
             compared += 1
     assert compared >= 3 * len(prompts) * K and ties <= compared // 20
+
+
+def _per_position(before: dict, after: dict) -> list[float]:
+    key = "spec_decode_num_accepted_tokens_per_pos"
+    return [a - b for a, b in zip(after[key], before[key], strict=True)]
+
+
+def test_steps_resolved_on_the_device_draft_as_the_host_read_path(
+    make_llm, head_dir, prompts, monkeypatch
+):
+    """The fixed-shape step (every verified row through both layers, on the device, launched
+    ahead) drafts what the host-read path drafts: the same accepted drafts at every depth."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    spec = {"speculative": "mtp", "num_speculative_tokens": K, "speculative_model": head_dir}
+    ahead = make_llm(overlap=True, **spec)
+    launched, before = ahead.engine.pipeline.num_launched_ahead, ahead.get_metrics()
+    resolved = ahead.generate(prompts, params, use_tqdm=False)
+    assert ahead.engine.pipeline.num_launched_ahead - launched >= 10
+    resolved_accepted = _per_position(before, ahead.get_metrics())
+    host = make_llm(overlap=False, **spec)
+    monkeypatch.setattr(host.engine.pipeline.mtp, "row_resolvable", lambda row, ahead: False)
+    before = host.get_metrics()
+    read = host.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in resolved] == [o.outputs[0].token_ids for o in read]
+    assert resolved_accepted == _per_position(before, host.get_metrics())
+    assert resolved_accepted[1] > 0  # depth 2 (layer 1) accepted drafts
 
 
 def test_training_runs_the_same_layout():

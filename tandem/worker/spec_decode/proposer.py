@@ -68,10 +68,8 @@ class MTPProposer:
         self.graphs = None  # a DraftGraphRunner for depths >= 1 of greedy batches (CUDA)
         # A head of several layers: layer L's output at every position, paged as the KV
         # cache ([blocks, block_size, hidden], one per layer but the last), which layer L + 1
-        # reads one position later (``_later_layers``). Its steps take the host-read path.
+        # reads one position later (``stream_later_layers``).
         self.hidden_caches = hidden_caches or []
-        if head.num_layers > 1:
-            self.resolves_on_device = False
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + (
@@ -120,32 +118,81 @@ class MTPProposer:
         slots: list[int],
         previous_slots: list[int],
     ) -> None:
-        """Layers 1.. of a head of several over the rows depth 0 ran, so that each keeps KV
-        at every position as the first does: layer L's row at position q takes layer L - 1's
-        output at q - 1 (zeros at position 0) and the token at q + 1. Each layer's outputs
-        go to its hidden cache first, then the next layer gathers them a position later
-        (the row at a step's first position reads what the step before wrote)."""
+        """``stream_later_layers`` over the ragged rows depth 0 ran (host lists)."""
         device = self.device
         slot_ids = to_device(slots, torch.long, device)
-        previous_ids = to_device(previous_slots, torch.long, device)
-        known = (previous_ids >= 0).unsqueeze(1)
-        gather = previous_ids.clamp(min=0)
+        metadata = self.backend.build_metadata(
+            [len(r.positions) for r in rows],
+            [r.positions[-1] + 1 for r in rows],
+            [r.block_ids for r in rows],
+            slot_ids,
+            self.block_size,
+            device,
+        )
+        self.stream_later_layers(
+            first,
+            to_device(positions, torch.long, device),
+            self.model.embed_tokens(next_tokens),
+            slot_ids,
+            to_device(previous_slots, torch.long, device),
+            metadata,
+        )
+
+    def stream_later_layers(
+        self,
+        first: torch.Tensor,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        slot_ids: torch.Tensor,
+        previous_slots: torch.Tensor,
+        metadata,
+    ) -> None:
+        """Layers 1.. of a head of several over the rows depth 0 ran (``first``: its outputs),
+        so that each keeps KV at every position as the first does: layer L's row at position
+        q takes layer L - 1's output at q - 1 (``previous_slots``, -1 at position 0: zeros)
+        and the token at q + 1 (``embeds``). Each layer's outputs go to its hidden cache
+        first, then the next layer gathers them a position later (the row at a step's first
+        position reads what the step before wrote). Device work only: graph-safe."""
+        known = (previous_slots >= 0).unsqueeze(1)
+        gather = previous_slots.clamp(min=0)
         outputs = first
         for index in range(1, self.head.num_layers):
             cache = self.hidden_caches[index - 1].view(-1, outputs.shape[-1])
             cache.index_copy_(0, slot_ids, outputs.to(cache.dtype))
             inputs = cache.index_select(0, gather) * known.to(cache.dtype)
-            outputs = self._layer_pass(
-                index,
-                positions,
-                next_tokens,
-                inputs,
-                [len(r.positions) for r in rows],
-                [r.positions[-1] + 1 for r in rows],
-                [r.block_ids for r in rows],
-                slots,
-                layer_index=index,
+            outputs = self.head.layers[index](
+                positions, embeds, inputs, self.kv_caches[index], metadata, self.backend
             )
+
+    def uniform_later_layers(
+        self,
+        first: torch.Tensor,
+        rows: VerifyRows,
+        next_tokens: torch.Tensor,
+        metadata,
+        block_tables: torch.Tensor,
+    ) -> None:
+        """``stream_later_layers`` over a uniform step's fixed-shape rows (``rows``, B of
+        k + 1 each; ``block_tables`` [B or more, W]): rows past a request's accepted count
+        write what the next step overwrites, as depth 0's do. None without a second layer."""
+        if not self.hidden_caches:
+            return
+        count, batch = rows.positions.shape[0], rows.start.shape[0]
+        previous = rows.positions - 1
+        clamped = previous.clamp(min=0)
+        request = torch.arange(count, device=previous.device) // (count // batch)
+        blocks = block_tables[request, clamped // self.block_size].long()
+        previous_slots = torch.where(
+            previous >= 0, blocks * self.block_size + clamped % self.block_size, -1
+        )
+        self.stream_later_layers(
+            first,
+            rows.positions,
+            self.model.embed_tokens(next_tokens),
+            rows.slot_mapping,
+            previous_slots,
+            metadata,
+        )
 
     def propose(
         self,
@@ -285,6 +332,7 @@ class MTPProposer:
             metadata,
             self.backend,
         )
+        self.uniform_later_layers(hidden, rows, next_tokens, metadata, block_tables)
         hidden = hidden.index_select(0, accepted.kept)
         logits = self.model.compute_logits(layer.final_norm(hidden))
         first, first_probs = draft_tokens(logits, sampling, 0)

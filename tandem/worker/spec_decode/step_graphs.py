@@ -181,6 +181,7 @@ class ResolvedStepGraphs:
             metadata,
             proposer.backend,
         )
+        proposer.uniform_later_layers(head_hidden, rows, candidates, metadata, tables)
         head_hidden = head_hidden.index_select(0, accepted.kept)
         first = proposer.model.compute_logits(layer.final_norm(head_hidden)).argmax(dim=-1)
         if self.num_drafts == 1:
