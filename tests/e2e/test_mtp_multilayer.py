@@ -123,14 +123,13 @@ def _recorded(llm: LLM, monkeypatch) -> list[tuple[str, int, list[int]]]:
     return records
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_drafts_equal_the_dense_reference_and_outputs_plain_decoding(
-    make_llm, head_dir, prompts, overlap, monkeypatch
+    make_llm, head_dir, prompts, monkeypatch
 ):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    plain = make_llm(overlap=overlap).generate(prompts, params, use_tqdm=False)
+    plain = make_llm(overlap=False).generate(prompts, params, use_tqdm=False)
     llm = make_llm(
-        overlap=overlap, speculative="mtp", num_speculative_tokens=K, speculative_model=head_dir
+        overlap=False, speculative="mtp", num_speculative_tokens=K, speculative_model=head_dir
     )
     assert llm.engine.runner.mtp_head.num_layers == 2
     # Every step on the host-read path, whose drafts are recorded here (the steps resolved
@@ -210,7 +209,9 @@ def test_sampled_requests_draft_with_both_layers(make_llm, head_dir, prompts):
     """Rejection sampling over the two-layer head's sampled drafts: seeded requests give the
     same tokens twice, and drafts are accepted (the distribution itself: the chi-square tests
     of ``tests/unit/test_verification.py``)."""
-    llm = make_llm(speculative="mtp", num_speculative_tokens=K, speculative_model=head_dir)
+    llm = make_llm(
+        overlap=False, speculative="mtp", num_speculative_tokens=K, speculative_model=head_dir
+    )
     params = [
         SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=MAX_TOKENS)
         for seed in range(len(prompts))
