@@ -24,7 +24,7 @@ from tandem.train.mtp_distill import distill_loss
 pytestmark = pytest.mark.slow  # three engines and a dense reference per draft step
 
 K = 3
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 TIE = 1e-4  # a reference draft whose top two logits are closer is not compared
 
 
@@ -45,7 +45,7 @@ def head_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def prompts(offline_tokenizer) -> list[dict]:
-    questions = [q["turns"][0] for q in load_mtbench()[1::20]][:4]
+    questions = [q["turns"][0] for q in load_mtbench()[1::20]][:3]
     return [
         {
             "prompt_token_ids": offline_tokenizer.apply_chat_template(
@@ -175,7 +175,7 @@ def test_steps_resolved_on_the_device_draft_as_the_host_read_path(
     ahead = make_llm(overlap=True, **spec)
     launched, before = ahead.engine.pipeline.num_launched_ahead, ahead.get_metrics()
     resolved = ahead.generate(prompts, params, use_tqdm=False)
-    assert ahead.engine.pipeline.num_launched_ahead - launched >= 10
+    assert ahead.engine.pipeline.num_launched_ahead - launched >= 5
     resolved_accepted = _per_position(before, ahead.get_metrics())
     host = make_llm(overlap=False, **spec)
     monkeypatch.setattr(host.engine.pipeline.mtp, "row_resolvable", lambda row, ahead: False)

@@ -31,7 +31,9 @@ class FakeTokenizer:
         text.encode("utf-8")  # a real tokenizer fails on a lone surrogate too
         return [ord(c) % VOCAB for c in text] or [1]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+    ) -> list[int]:
         return self.encode("".join(m["content"] for m in messages) or "x")
 
 
