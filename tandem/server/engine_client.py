@@ -328,11 +328,7 @@ class AsyncEngineClient:
         self.info.limits.validate(prompt_token_ids, params)
         if params is not None and params.guided is not None:  # compiles for this tokenizer
             if self._grammars is None:
-                self._grammars = GrammarBook(
-                    self.tokenizer.hf,
-                    self.info.limits.vocab_size,
-                    sorted(self.tokenizer.end_token_ids),
-                )
+                self._grammars = GrammarBook.of(self.tokenizer, self.info.limits.vocab_size)
             self._grammars.compile(params.guided)
 
     async def generate(

@@ -150,15 +150,21 @@ def whole_reply(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     stream = ToolCallStream(plan)
     content, deltas = stream.feed(text)
     more_content, more_deltas = stream.finish()
+    content = (content + more_content).strip()
+    return content or None, merged_calls(deltas + more_deltas)
+
+
+def merged_calls(deltas: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas merged as a client merges them: a call per ``index``, its
+    argument pieces joined (the message's ``tool_calls`` entries)."""
     calls: list[dict] = []
-    for delta in deltas + more_deltas:
+    for delta in deltas:
         if delta["index"] == len(calls):
             calls.append({key: value for key, value in delta.items() if key != "index"})
             calls[-1]["function"] = dict(delta["function"])
         else:
             calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
-    content = (content + more_content).strip()
-    return content or None, calls
+    return calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:

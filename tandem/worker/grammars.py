@@ -63,6 +63,11 @@ class GrammarBook:
         for token in self.info.stop_token_ids:
             self._stop_only[token // 32] |= 1 << (token % 32)
 
+    @classmethod
+    def of(cls, tokenizer: Any, vocab_size: int) -> GrammarBook:
+        """The book of a Tandem ``Tokenizer``, ending on its model's end tokens."""
+        return cls(tokenizer.hf, vocab_size, sorted(tokenizer.end_token_ids))
+
     def compile(self, guided: dict) -> Any:
         """The compiled grammar of ``guided`` (ParamError naming ``guided`` if it does not
         compile); ``guided`` has the shape ``check_guided`` checks (SamplingParams did)."""
@@ -136,8 +141,7 @@ class RowGrammars:
             path = resolve_model(self.model_path)
             if path.startswith("dummy:"):
                 raise ParamError("guided", "structured output needs the model's own tokenizer")
-            tokenizer = Tokenizer.from_model_path(path)
-            self._book = GrammarBook(tokenizer.hf, self.vocab_size, sorted(tokenizer.end_token_ids))
+            self._book = GrammarBook.of(Tokenizer.from_model_path(path), self.vocab_size)
         return self._book
 
     def check(self, params: Any) -> None:

@@ -51,7 +51,7 @@ def test_a_complete_output_may_only_end_with_the_given_end_tokens(tokenizer, end
 
 
 def test_masks_of_a_row_with_drafts(tokenizer):
-    book = GrammarBook(tokenizer.hf, tokenizer.vocab_size, sorted(tokenizer.end_token_ids))
+    book = GrammarBook.of(tokenizer, tokenizer.vocab_size)
     (red,) = tokenizer.encode("red", add_special_tokens=False)
     (blue,) = tokenizer.encode("blue", add_special_tokens=False)
     matcher = book.matcher({"choice": ["red", "blue"]}, [])

@@ -17,7 +17,12 @@ from tandem.server.tool_choice import (
     template_tool_calls,
     tool_constraint,
 )
-from tandem.server.tool_parsers import ToolCallStream, tool_finish_reason, whole_reply
+from tandem.server.tool_parsers import (
+    ToolCallStream,
+    merged_calls,
+    tool_finish_reason,
+    whole_reply,
+)
 
 WEATHER = {
     "type": "function",
@@ -145,17 +150,7 @@ def streamed(plan: ToolPlan, pieces: list[str]) -> tuple[str | None, list[dict],
         calls += deltas
     text, deltas = stream.finish()
     content.append(text)
-    merged: list[dict] = []
-    for delta in calls + deltas:
-        if delta["index"] == len(merged):
-            merged.append({"id": delta["id"], "type": delta["type"], **delta["function"]})
-        else:
-            merged[delta["index"]]["arguments"] += delta["function"]["arguments"]
-    return "".join(content).strip() or None, merged, stream.num_calls
-
-
-def shape(calls: list[dict]) -> list[tuple[str, dict]]:
-    return [(c["name"], json.loads(c["arguments"])) for c in calls]
+    return "".join(content).strip() or None, merged_calls(calls + deltas), stream.num_calls
 
 
 def flat(calls: list[dict]) -> list[tuple[str, dict]]:
@@ -231,7 +226,7 @@ def test_reply_split_whole_and_streamed(plan, reply, content, calls):
     for pieces in splits:
         got_content, got_calls, num_calls = streamed(plan, pieces)
         assert got_content == content, pieces
-        assert shape(got_calls) == calls, pieces
+        assert flat(got_calls) == calls, pieces
         assert num_calls == len(calls)
 
 

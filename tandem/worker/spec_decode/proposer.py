@@ -21,7 +21,7 @@ from tandem.models.mtp import MTPHead
 from tandem.sampling_params import SamplingParams
 from tandem.worker.spec_decode.draft_graphs import draft_chain
 from tandem.worker.spec_decode.draft_sampling import DraftSampling, draft_tokens
-from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows
+from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows, table_blocks
 from tandem.worker.step_sampler import sampling_batch
 
 
@@ -86,11 +86,8 @@ class MTPProposer:
         seq_lens,
         block_tables,
         slots: list[int],
-        layer_index: int | None = None,
     ) -> torch.Tensor:
-        """One MTP layer over rows (the drafting ``depth``'s layer unless ``layer_index``)."""
-        if layer_index is None:
-            layer_index = self.head.layer_for_depth(depth)
+        layer_index = self.head.layer_for_depth(depth)
         device = self.device
         metadata = self.backend.build_metadata(
             query_lens,
@@ -107,35 +104,6 @@ class MTPProposer:
             self.kv_caches[layer_index],
             metadata,
             self.backend,
-        )
-
-    def _later_layers(
-        self,
-        first: torch.Tensor,
-        rows: list[ProposalRow],
-        positions: list[int],
-        next_tokens: torch.Tensor,
-        slots: list[int],
-        previous_slots: list[int],
-    ) -> None:
-        """``stream_later_layers`` over the ragged rows depth 0 ran (host lists)."""
-        device = self.device
-        slot_ids = to_device(slots, torch.long, device)
-        metadata = self.backend.build_metadata(
-            [len(r.positions) for r in rows],
-            [r.positions[-1] + 1 for r in rows],
-            [r.block_ids for r in rows],
-            slot_ids,
-            self.block_size,
-            device,
-        )
-        self.stream_later_layers(
-            first,
-            to_device(positions, torch.long, device),
-            self.model.embed_tokens(next_tokens),
-            slot_ids,
-            to_device(previous_slots, torch.long, device),
-            metadata,
         )
 
     def stream_later_layers(
@@ -177,14 +145,15 @@ class MTPProposer:
         write what the next step overwrites, as depth 0's do. None without a second layer."""
         if not self.hidden_caches:
             return
-        count, batch = rows.positions.shape[0], rows.start.shape[0]
-        previous = rows.positions - 1
+        batch = rows.start.shape[0]
+        previous = (rows.positions - 1).view(batch, -1)
         clamped = previous.clamp(min=0)
-        request = torch.arange(count, device=previous.device) // (count // batch)
-        blocks = block_tables[request, clamped // self.block_size].long()
+        # Past a table's width: the scratch block (the caches' last), as verify_rows does.
+        scratch = self.hidden_caches[0].shape[0] - 1
+        blocks = table_blocks(block_tables[:batch], clamped // self.block_size, scratch)
         previous_slots = torch.where(
             previous >= 0, blocks * self.block_size + clamped % self.block_size, -1
-        )
+        ).view(-1)
         self.stream_later_layers(
             first,
             rows.positions,
@@ -211,23 +180,41 @@ class MTPProposer:
         device = self.device
         positions = [p for r in rows for p in r.positions]
         hidden_rows = to_device([i for r in rows for i in r.hidden_rows], torch.long, device)
-        next_tokens = to_device([t for r in rows for t in r.next_tokens], torch.long, device)
-        slots = [self._slot(r.block_ids, p) for r in rows for p in r.positions]
-        hidden = self._layer_pass(
-            0,
-            positions,
-            next_tokens,
-            target_hidden.index_select(0, hidden_rows),
+        slot_ids = to_device(
+            [self._slot(r.block_ids, p) for r in rows for p in r.positions], torch.long, device
+        )
+        metadata = self.backend.build_metadata(
             [len(r.positions) for r in rows],
             [r.positions[-1] + 1 for r in rows],
             [r.block_ids for r in rows],
-            slots,
+            slot_ids,
+            self.block_size,
+            device,
+        )
+        position_ids = to_device(positions, torch.long, device)
+        embeds = self.model.embed_tokens(
+            to_device([t for r in rows for t in r.next_tokens], torch.long, device)
+        )
+        hidden = self.head.layers[0](
+            position_ids,
+            embeds,
+            target_hidden.index_select(0, hidden_rows),
+            self.kv_caches[0],
+            metadata,
+            self.backend,
         )
         if self.hidden_caches:
             previous = [
                 self._slot(r.block_ids, p - 1) if p else -1 for r in rows for p in r.positions
             ]
-            self._later_layers(hidden, rows, positions, next_tokens, slots, previous)
+            self.stream_later_layers(
+                hidden,
+                position_ids,
+                embeds,
+                slot_ids,
+                to_device(previous, torch.long, device),
+                metadata,
+            )
         drafting = [(i, r) for i, r in enumerate(rows) if r.num_drafts > 0]
         if not drafting:
             return proposal

@@ -52,7 +52,7 @@ class Accepted:
     last_positions: torch.Tensor  # [B] long: start + accepted drafts
 
 
-def _table_blocks(tables, columns, pad_block):
+def table_blocks(tables, columns, pad_block):
     """``tables[b, columns[b, j]]``, ``pad_block`` past a row's width (PyTorch form)."""
     inside = columns < tables.shape[1]
     blocks = tables.gather(1, torch.where(inside, columns, 0)).long()
@@ -76,7 +76,7 @@ def verify_rows(
             ],
             dim=1,
         )
-        blocks = _table_blocks(tables, positions // block_size, pad_block)
+        blocks = table_blocks(tables, positions // block_size, pad_block)
         slot_mapping = blocks * block_size + positions % block_size
         return VerifyRows(
             start,
@@ -176,7 +176,7 @@ def depth_rows(
     depth), KV slots (long) and sequence lengths (int32)."""
     if not (kernels_apply(last_positions, tables) if use_triton is None else use_triton):
         positions = last_positions + depth
-        blocks = _table_blocks(tables, (positions // block_size)[:, None], pad_block)[:, 0]
+        blocks = table_blocks(tables, (positions // block_size)[:, None], pad_block)[:, 0]
         return positions, blocks * block_size + positions % block_size, (positions + 1).int()
     rows = last_positions.shape[0]
     positions = torch.empty_like(last_positions)
