@@ -17,7 +17,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.bench.spec import acceptance, first_turns, run_spec_bench
-from tandem.train.mtp_distill import TrainConfig, pack_sequences, train_mtp
+from tandem.train.mtp_data import pack_sequences
+from tandem.train.mtp_distill import TrainConfig, train_mtp
 
 model, data_path, out_dir, budget = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 stage = sys.argv[5] if len(sys.argv) > 5 else "all"

@@ -9,14 +9,14 @@ import torch
 
 from tandem.models.loader import resolve_model
 from tandem.tokenizer import Tokenizer
-from tandem.train.mtp_distill import _first_assistant_start, sharegpt_sequences
+from tandem.train.mtp_data import first_assistant_start, sharegpt_sequences
 
 out, num_conversations, num_prompts, seq_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 256
 tokenizer = Tokenizer.from_model_path(resolve_model(None))
 sequences = sharegpt_sequences(tokenizer, num_conversations + num_prompts, seq_len)
 prompts = []
 for ids in sequences[num_conversations:]:
-    end = _first_assistant_start(tokenizer, ids)
+    end = first_assistant_start(tokenizer, ids)
     if end:
         prompts.append(ids[:end])
 torch.save({"sequences": sequences[:num_conversations], "self_prompts": prompts}, out)

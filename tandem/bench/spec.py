@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import os
 
-from tandem.bench.datasets import iter_sharegpt, load_mtbench
+from tandem.bench.datasets import SHAREGPT_HELD_OUT_FROM, iter_sharegpt, load_mtbench
 from tandem.bench.results import result_path, write_json
 from tandem.bench.timing import timed_generate
 from tandem.models.mtp import head_training_tokens
 
 DATASETS = ("mtbench", "sharegpt")
-# ShareGPT records before this index may have been trained on (scripts/prepare_mtp_data.py
-# took the first 15,200 usable conversations for the shipped head).
-SHAREGPT_HELD_OUT_FROM = 20_000
 
 
 def first_turns(dataset: str, num_prompts: int, sharegpt_skip: int = SHAREGPT_HELD_OUT_FROM):

@@ -28,6 +28,8 @@ from tandem.models.mtp import (
     random_head,
     save_head,
 )
+from tandem.train.chain_attention import ChainBackend, RecordingCausalBackend
+from tandem.train.mtp_data import build_data
 
 
 @dataclass
@@ -49,42 +51,9 @@ class TrainConfig:
     init_head: str | None = None
     # MTP layers of a new head (a continued head keeps its own).
     num_layers: int = 1
-
-
-def pack_sequences(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
-    """Concatenate token sequences and cut them into [N, seq_len] rows (the tail is dropped)."""
-    flat = [t for s in sequences for t in s]
-    rows = len(flat) // seq_len
-    if rows == 0:
-        raise ValueError(f"only {len(flat)} tokens of data, fewer than one row of {seq_len}")
-    return torch.tensor(flat[: rows * seq_len], dtype=torch.long).view(rows, seq_len)
-
-
-def sharegpt_sequences(tokenizer, num_conversations: int, max_tokens: int) -> list[list[int]]:
-    """Chat-templated ShareGPT conversations (human/gpt turns), at most max_tokens each."""
-    from tandem.bench.datasets import iter_sharegpt
-
-    roles = {"human": "user", "gpt": "assistant"}
-    sequences = []
-    for record in iter_sharegpt():
-        turns = [(roles.get(t.get("from")), t.get("value")) for t in record["conversations"]]
-        messages = [{"role": r, "content": v} for r, v in turns if r and isinstance(v, str) and v]
-        if len(messages) < 2:
-            continue
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-        sequences.append(ids[:max_tokens])
-        if len(sequences) >= num_conversations:
-            break
-    return sequences
-
-
-def self_generated_sequences(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Prompt + the base model's own greedy response, for each prompt."""
-    from tandem import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outputs]
+    # Repeated depths attend as a serving draft chain does (chain_attention.py); False trains
+    # them with causal attention over their own rows, as heads before it were trained.
+    chain_attention: bool = True
 
 
 def _base_outputs(model: LlamaModel, tokens: torch.Tensor):
@@ -102,28 +71,28 @@ def _base_outputs(model: LlamaModel, tokens: torch.Tensor):
 DEPTH_WEIGHTS = (1.0, 0.7, 0.5)
 
 
-def distill_loss(head, model, tokens, depths: int = len(DEPTH_WEIGHTS)):
-    """KL(base || head) summed over draft depths, and the first draft's greedy agreement
-    with the base (an acceptance estimate), exactly as the engine chains drafts.
+def depth_outputs(head, model, tokens, hidden, depths: int, chain: bool = True):
+    """The first ``depths`` draft depths' rows over teacher-forced ``tokens`` [B, T] as the
+    engine chains them: yields (depth, start, layer, g), g [B, T - 1 - start, H] at
+    positions from start; ``hidden`` is the base's final hidden states [B, T, H].
 
     A depth with a layer of its own (depth < the head's layers) runs at every position q in
     [0, T-2] on the previous layer's output at q-1 (the base's own hidden state at q for
     depth 0; zeros at q = 0) and the token at q+1, as the engine keeps each layer's KV at
     every position; a later depth repeats the last layer at positions [d, T-2] on the
-    previous depth's output at q-1. Each learns the base's distribution over the token at
-    q+2.
+    previous depth's output at q-1, attending as a draft chain does when serving
+    (``chain``, see ``chain_attention``) or causally over its own rows (the older training).
+    Each depth's row at q predicts the token at q+2.
     """
-    hidden, base_logprobs = _base_outputs(model, tokens)
     batch, seq_len = tokens.shape
     previous, previous_start = hidden, 0  # the previous depth's rows, from this position
-    total = hidden.new_zeros((), dtype=torch.float32)
-    first_agree = None
+    stream, chained = None, []
     for depth in range(depths):
         own_layer = depth < head.num_layers
         start = 0 if own_layer else depth
         length = seq_len - 1 - start
         if length < 1:
-            break
+            return
         if depth == 0:
             inputs = hidden[:, :length]
         elif own_layer:
@@ -131,8 +100,13 @@ def distill_loss(head, model, tokens, depths: int = len(DEPTH_WEIGHTS)):
         else:
             first = start - 1 - previous_start
             inputs = previous[:, first : first + length]
+        if own_layer or not chain:
+            backend = RecordingCausalBackend(batch, length)
+            stream = backend
+        else:
+            backend = ChainBackend(batch, length, stream, head.num_layers - 1, list(chained))
+            chained.append(backend)
         layer = head.layers[head.layer_for_depth(depth)]
-        backend = DenseCausalBackend(batch, length)
         positions = torch.arange(start, start + length, device=tokens.device).repeat(batch)
         embeds = model.embed_tokens(tokens[:, start + 1 :]).reshape(batch * length, -1)
         g = layer(
@@ -143,14 +117,25 @@ def distill_loss(head, model, tokens, depths: int = len(DEPTH_WEIGHTS)):
             None,
             backend,
         ).view(batch, length, -1)
+        yield depth, start, layer, g
+        previous, previous_start = g, start
+
+
+def distill_loss(head, model, tokens, depths: int = len(DEPTH_WEIGHTS), chain: bool = True):
+    """KL(base || head) summed over ``depths`` draft depths (weights ``DEPTH_WEIGHTS``), and
+    each depth's greedy agreement with the base under teacher forcing (the first is an
+    acceptance estimate), with the depths chained as the engine chains drafts
+    (``depth_outputs``)."""
+    hidden, base_logprobs = _base_outputs(model, tokens)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    agreements = []
+    for depth, start, layer, g in depth_outputs(head, model, tokens, hidden, depths, chain):
         student = model.compute_logits(layer.final_norm(g)).log_softmax(dim=-1)
         teacher = base_logprobs[:, start + 1 :]
         kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
         total = total + DEPTH_WEIGHTS[min(depth, len(DEPTH_WEIGHTS) - 1)] * kl
-        if first_agree is None:
-            first_agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
-        previous, previous_start = g, start
-    return total, first_agree
+        agreements.append((student.argmax(-1) == teacher.argmax(-1)).float().mean())
+    return total, agreements
 
 
 def train_mtp(
@@ -197,18 +182,22 @@ def train_mtp(
         with torch.autocast(
             device_type=torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32
         ):
-            loss, agree = distill_loss(head, base, train_tokens[rows].to(device))
+            loss, agree = distill_loss(
+                head, base, train_tokens[rows].to(device), chain=config.chain_attention
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.float().backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         last = _progress(step, config, time.monotonic() - start) >= 1.0
         if step % config.eval_every == 0 or last:
+            held_out = evaluate(head, base, eval_tokens, config, device, dtype)
             record = {
                 "step": step,
                 "loss": loss.item(),
-                "train_agree": agree.item(),
-                "eval_agree": evaluate(head, base, eval_tokens, config, device, dtype),
+                "train_agree": agree[0].item(),
+                "eval_agree": held_out[0],
+                "eval_agree_depths": held_out,
                 "elapsed_s": time.monotonic() - start,
             }
             history.append(record)
@@ -243,9 +232,10 @@ def _progress(step: int, config: TrainConfig, elapsed_s: float) -> float:
     return min(progress, 1.0)
 
 
-def evaluate(head, base, eval_tokens, config: TrainConfig, device, dtype) -> float:
-    """Held-out greedy agreement of the head's first draft with the base."""
-    agree, batches = 0.0, 0
+def evaluate(head, base, eval_tokens, config: TrainConfig, device, dtype) -> list[float]:
+    """Held-out greedy agreement of each draft depth with the base (teacher-forced: depth d
+    given the true earlier tokens); the first is an acceptance estimate."""
+    totals, batches = [], 0
     with (
         torch.no_grad(),
         torch.autocast(
@@ -253,12 +243,16 @@ def evaluate(head, base, eval_tokens, config: TrainConfig, device, dtype) -> flo
         ),
     ):
         for start in range(0, eval_tokens.shape[0], config.batch_size):
-            _, batch_agree = distill_loss(
-                head, base, eval_tokens[start : start + config.batch_size].to(device)
+            _, agreements = distill_loss(
+                head,
+                base,
+                eval_tokens[start : start + config.batch_size].to(device),
+                chain=config.chain_attention,
             )
-            agree += float(batch_agree)
+            values = [float(a) for a in agreements]
+            totals = [t + v for t, v in zip(totals or [0.0] * len(values), values, strict=True)]
             batches += 1
-    return agree / max(batches, 1)
+    return [t / max(batches, 1) for t in totals]
 
 
 def _init_head_from_base(head: MTPHead, base: LlamaModel) -> None:
@@ -273,54 +267,6 @@ def _init_head_from_base(head: MTPHead, base: LlamaModel) -> None:
             layer.eh_proj.weight.zero_()
             layer.eh_proj.weight[:, hidden:].copy_(torch.eye(hidden))
             layer.eh_proj.weight[:, :hidden].copy_(0.1 * torch.eye(hidden))
-
-
-def build_data(
-    model: str | None,
-    num_conversations: int,
-    num_self_generated: int,
-    seq_len: int,
-    device: str,
-    seed: int,
-) -> dict[str, torch.Tensor]:
-    """Packed train/eval token rows: ShareGPT conversations plus self-generated replies."""
-    from tandem.models.loader import resolve_model
-    from tandem.tokenizer import Tokenizer
-
-    path = resolve_model(model)
-    tokenizer = Tokenizer.from_model_path(
-        resolve_model(None) if path.startswith("dummy:") else path
-    )
-    sequences = sharegpt_sequences(tokenizer, num_conversations + num_self_generated, seq_len)
-    if num_self_generated:
-        from tandem import LLM
-
-        llm = LLM(model=model, device=device, max_num_seqs=64)
-        prompts = []
-        for ids in sequences[num_conversations:]:
-            # The conversation's first user turn, ending with the assistant prompt.
-            end = _first_assistant_start(tokenizer, ids)
-            prompts.append(ids[:end] if end else ids[: seq_len // 2])
-        sequences = sequences[:num_conversations] + self_generated_sequences(
-            llm, prompts, max_tokens=seq_len // 2
-        )
-    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed))
-    sequences = [sequences[i] for i in order.tolist()]
-    held_out = max(1, len(sequences) // 20)
-    return {
-        "train": pack_sequences(sequences[held_out:], seq_len),
-        "eval": pack_sequences(sequences[:held_out], seq_len),
-    }
-
-
-def _first_assistant_start(tokenizer, ids: list[int]) -> int | None:
-    """Index just after the first '<|im_start|>assistant\\n' style header, if any."""
-    header = tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
-    marker = header[-3:]  # the generation prompt's last tokens
-    for i in range(len(ids) - len(marker)):
-        if ids[i : i + len(marker)] == marker:
-            return i + len(marker)
-    return None
 
 
 def add_cli_arguments(parser) -> None:
@@ -346,6 +292,12 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--save-data", default=None, help="save the packed data and exit")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=1, help="MTP layers of a new head")
+    parser.add_argument(
+        "--no-chain-attention",
+        dest="chain_attention",
+        action="store_false",
+        help="train repeated depths with causal attention over their own rows (older heads)",
+    )
     parser.add_argument(
         "--init-head",
         default=None,
@@ -381,6 +333,7 @@ def main_from_args(args) -> int:
         time_budget_s=args.time_budget,
         init_head=args.init_head,
         num_layers=args.num_layers,
+        chain_attention=args.chain_attention,
     )
     _, summary = train_mtp(
         args.model,

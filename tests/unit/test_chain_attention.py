@@ -1,0 +1,94 @@
+"""Training's repeated draft depths attend as the engine's draft chain does (issue 22).
+
+The reference is written from the serving definition, one chain at a time: for a chain from
+position P, the head's last layer runs causally over its stream rows at positions
+0 .. P + L - 1 followed by the chain's rows for depths L .. d (each on the previous depth's
+output and the next token); depth d's draft is the last row. Training computes every chain
+at once (``depth_outputs``); its depth-d row P must equal that last row, for heads of one and
+two layers. The older training (causal attention over a depth's own rows) does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.layers.attention import DenseCausalBackend
+from tandem.models.loader import ModelFiles, load_model
+from tandem.models.mtp import random_head
+from tandem.train.mtp_distill import _base_outputs, depth_outputs, distill_loss
+
+SEQ_LEN = 10
+
+
+def _causal(layer, positions, tokens, hidden, model) -> torch.Tensor:
+    return layer(
+        torch.tensor(positions),
+        model.embed_tokens(torch.tensor(tokens)),
+        hidden,
+        (None, None),
+        None,
+        DenseCausalBackend(1, len(positions)),
+    )
+
+
+def _reference_chain(model, head, seq: list[int], hidden, depth: int, start: int):
+    """Depth ``depth``'s output for the chain from position ``start`` (P), from the
+    definition: own layers at every position, then the last layer's stream plus chain."""
+    n = SEQ_LEN - 1
+    own = [_causal(head.layers[0], list(range(n)), seq[1:], hidden[:n], model)]
+    for index in range(1, head.num_layers):
+        shifted = torch.cat([torch.zeros_like(own[-1][:1]), own[-1][:-1]])
+        own.append(_causal(head.layers[index], list(range(n)), seq[1:], shifted, model))
+    last = head.num_layers - 1
+    stream_inputs = hidden[:n] if last == 0 else torch.cat([own[-2][:1] * 0, own[-2][:-1]])
+    end = start + last  # the stream's last position
+    rows_hidden = [stream_inputs[: end + 1]]
+    rows_tokens = seq[1 : end + 2]
+    previous = own[-1][end : end + 1]
+    for j in range(head.num_layers, depth + 1):
+        rows_hidden.append(previous)
+        rows_tokens = rows_tokens + [seq[start + j + 1]]
+        out = _causal(
+            head.layers[last], list(range(start + j + 1)), rows_tokens, torch.cat(rows_hidden), model
+        )
+        # Positions: the stream's 0 .. end, then the chain's start + L .. start + j.
+        previous = out[-1:]
+    return previous[0]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+@torch.inference_mode()
+def test_repeated_depths_attend_as_the_serving_chain(num_layers):
+    files = ModelFiles("dummy:tiny")
+    model = load_model(files, 64, torch.float32, torch.device("cpu"))
+    head = random_head(files.arch, num_layers, model.rotary, seed=1)
+    tokens = torch.randint(0, 500, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    hidden, _ = _base_outputs(model, tokens)
+    depths = num_layers + 2
+    chained = list(depth_outputs(head, model, tokens, hidden, depths, chain=True))
+    older = list(depth_outputs(head, model, tokens, hidden, depths, chain=False))
+    assert [d for d, *_ in chained] == list(range(depths))
+    for (depth, start, _, g), (_, _, _, g_older) in zip(chained, older, strict=True):
+        if depth < num_layers:
+            torch.testing.assert_close(g, g_older)  # own layers: plain causal either way
+            continue
+        assert start == depth
+        for b in range(tokens.shape[0]):
+            seq = tokens[b].tolist()
+            for chain_start in range(SEQ_LEN - 1 - depth):
+                want = _reference_chain(model, head, seq, hidden[b], depth, chain_start)
+                torch.testing.assert_close(g[b, chain_start], want, atol=1e-5, rtol=1e-5)
+        # The older mask sees other rows than the chain does (beyond the first chain).
+        assert not torch.allclose(g[:, 1:], g_older[:, 1:], atol=1e-3)
+
+
+def test_the_loss_trains_every_depth_under_the_chain_mask():
+    files = ModelFiles("dummy:tiny")
+    model = load_model(files, 64, torch.float32, torch.device("cpu"))
+    head = random_head(files.arch, 1, model.rotary)
+    loss, agreements = distill_loss(head, model, torch.randint(0, 500, (2, 16)), chain=True)
+    loss.backward()
+    assert torch.isfinite(loss) and len(agreements) == 3
+    assert all(0 <= float(a) <= 1 for a in agreements)
+    assert head.layers[0].block.self_attn.qkv_proj.weight.grad.abs().sum() > 0
