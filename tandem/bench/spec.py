@@ -2,7 +2,7 @@
 speculation, at given batch sizes, for one head or the several heads of a training study.
 
 Held-out prompts only: MT-Bench's first turns (never used in training), or ShareGPT first
-user turns from records at index ``--sharegpt-skip`` (20,000) on, past every conversation
+user turns from records at index ``--sharegpt-skip`` (16,000) on, past every conversation
 ``tandem train-mtp`` and ``scripts/prepare_mtp_data.py`` take (the first 15,200 usable ones
 for the shipped head). Per head the JSON gives the mean acceptance length, the per-position
 acceptance rates and the tokens the head was trained on (from its ``mtp_config.json``);

@@ -96,3 +96,12 @@ def test_a_study_of_two_heads_writes_json_and_png(tmp_path):
     # The trained head accepts more than a random one.
     assert shipped["mean_acceptance_length"] > dummy["mean_acceptance_length"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_packaged_sharegpt_holds_out_enough_first_turns():
+    """The held-out index lies inside the packaged (cut-off) file, past the shipped head's
+    training data, with the 80 first turns a study measures."""
+    from tandem.bench.datasets import SHAREGPT_HELD_OUT_FROM
+
+    assert SHAREGPT_HELD_OUT_FROM > 15_430  # the shipped head's last training record
+    assert len(first_turns("sharegpt", 80)) == 80

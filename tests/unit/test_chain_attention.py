@@ -50,7 +50,11 @@ def _reference_chain(model, head, seq: list[int], hidden, depth: int, start: int
         rows_hidden.append(previous)
         rows_tokens = rows_tokens + [seq[start + j + 1]]
         out = _causal(
-            head.layers[last], list(range(start + j + 1)), rows_tokens, torch.cat(rows_hidden), model
+            head.layers[last],
+            list(range(start + j + 1)),
+            rows_tokens,
+            torch.cat(rows_hidden),
+            model,
         )
         # Positions: the stream's 0 .. end, then the chain's start + L .. start + j.
         previous = out[-1:]
