@@ -4,7 +4,8 @@
 # Usage: scripts/gpu_head_study.sh MODEL.gguf DATA.pt OUT_DIR STAGE
 #   gen    each visible GPU writes the base model's greedy replies (256 tokens) to its shard
 #          of DATA.pt's prompts (scripts/prepare_mtp_data.py): OUT_DIR/self_generated_I.pt
-#   train  one configuration per GPU, all at once, each for TRAIN_S seconds (default 480;
+#   train  the configurations all at once, round-robin over the GPUs (several may share
+#          one), each for TRAIN_S seconds (default 480;
 #          the time budget includes a minute for its MT-Bench acceptance):
 #          CONFIGS="name:VAR=V,VAR=V name2:..." with scripts/gpu_mtp.py's variables
 #          (NUM_LAYERS, CHAIN, SHAREGPT, SELF_REPEAT, INIT_HEAD, LR); the heads go to
@@ -42,7 +43,7 @@ case $stage in
     wait; for f in "$out"/train_*.log; do echo "== $f"; tail -n 3 "$f"; done ;;
   spec)
     common="--device cuda --model $model --speculative-model $HEADS --batch-sizes 80"
-    common="$common --num-questions 80 --max-tokens 256 --num-speculative-tokens 3"
+    common="$common --num-questions 80 --max-tokens 256 --num-speculative-tokens 3 --kv-cache-memory-gb 8"
     CUDA_VISIBLE_DEVICES=0 python3 -m tandem.cli bench spec $common --dataset mtbench \
       --plot "$out/study-mtbench.png" --out-dir "$out" > "$out/spec_mtbench.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=$((1 % gpus)) python3 -m tandem.cli bench spec $common --dataset sharegpt \

@@ -72,7 +72,7 @@ if stage in ("all", "gen", "train"):
             "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         }
         del llm
-        name = f"self_generated_{shard}.pt" if shards > 1 else "self_generated.pt"
+        name = f"self_generated_{shard}.pt" if "SHARD" in os.environ else "self_generated.pt"
         torch.save({"generated": generated}, os.path.join(out_dir, name))
         print(json.dumps(report["self_generation"]), flush=True)
 
@@ -138,6 +138,7 @@ if stage in ("all", "train", "accept"):
         speculative="mtp",
         num_speculative_tokens=3,
         speculative_model=head_dir,
+        kv_cache_memory_gb=1 if smoke else 4,  # several trainings may share the GPU
     )
     prompts = [
         {"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": t}])}

@@ -76,6 +76,7 @@ def run_spec_bench(
     dataset: str = "mtbench",
     sharegpt_skip: int = SHAREGPT_HELD_OUT_FROM,
     plot: str | None = None,
+    kv_cache_memory_gb: float | None = None,
 ) -> dict:
     """Greedy runs of the held-out prompts without MTP, then with each head (None: the
     model's own or shipped head); returns and writes the results (a run per head and batch
@@ -83,7 +84,13 @@ def run_spec_bench(
     from tandem import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    common = {"model": model, "device": device, "dtype": dtype, "max_num_seqs": max(batch_sizes)}
+    common = {
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "max_num_seqs": max(batch_sizes),
+        "kv_cache_memory_gb": kv_cache_memory_gb,
+    }
     config = {
         "model": model,
         "heads": heads,
@@ -104,6 +111,7 @@ def run_spec_bench(
     ]
     timed_generate(base, prompts[:2], params, 2)  # warm-up
     baseline = {b: timed_generate(base, prompts, params, b) for b in batch_sizes}
+    base.engine.shutdown()
     del base
     path = result_path(out_dir, f"spec-{dataset}-k{k}-{device.split(':')[0]}") if out_dir else None
     for head in heads:
@@ -196,6 +204,12 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--plot", default=None, help="PNG of acceptance against training tokens")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="KV cache size (default: the memory left on the GPU), for runs sharing a GPU",
+    )
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
 
 
@@ -214,5 +228,6 @@ def main_from_args(args) -> int:
         args.dataset,
         args.sharegpt_skip,
         args.plot,
+        args.kv_cache_memory_gb,
     )
     return 0
