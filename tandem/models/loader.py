@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from tandem.models.gguf_index import GGUFIndex, open_gguf
 from tandem.models.llama import LlamaModel
 from tandem.models.registry import PEAKED_SUFFIX, ModelArchConfig, dummy_preset
 
@@ -58,7 +59,7 @@ class ModelFiles:
             with open(os.path.join(self.path, "config.json")) as f:
                 self.arch = ModelArchConfig.from_hf_config(json.load(f))
         else:
-            self._gguf = _open_gguf(self.path)
+            self._gguf = open_gguf(self.path)
             self.arch = _gguf_arch_config(self._gguf)
 
     @property
@@ -139,24 +140,8 @@ def _iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 # ---- GGUF ----------------------------------------------------------------------------------
 
 
-def _open_gguf(path: str):
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises many kinds of errors on bad files
-        raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
-
-
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def _gguf_arch_config(reader) -> ModelArchConfig:
-    arch = _gguf_field(reader, "general.architecture")
+def _gguf_arch_config(index: GGUFIndex) -> ModelArchConfig:
+    arch = index.field("general.architecture")
     families = {
         "llama": "LlamaForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
@@ -166,18 +151,18 @@ def _gguf_arch_config(reader) -> ModelArchConfig:
         raise ValueError(f"GGUF architecture {arch!r} is not supported ({sorted(families)})")
 
     def get(key, default=None):
-        value = _gguf_field(reader, f"{arch}.{key}", default)
+        value = index.field(f"{arch}.{key}", default)
         if value is None:
             raise ValueError(f"GGUF file lacks metadata {arch}.{key}")
         return value
 
     hidden = get("embedding_length")
     num_heads = get("attention.head_count")
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = _gguf_field(reader, "tokenizer.ggml.tokens")
     return ModelArchConfig(
         architecture=families[arch],
-        vocab_size=_gguf_field(reader, f"{arch}.vocab_size", len(vocab) if vocab else None),
+        vocab_size=index.field(
+            f"{arch}.vocab_size", index.array_lengths.get("tokenizer.ggml.tokens") or None
+        ),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
         num_layers=get("block_count"),
@@ -187,7 +172,7 @@ def _gguf_arch_config(reader) -> ModelArchConfig:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=get("context_length", 4096),
-        tie_word_embeddings="output.weight" not in tensor_names,
+        tie_word_embeddings="output.weight" not in index.tensor_names,
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
     )
@@ -232,11 +217,11 @@ def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _iter_gguf(reader, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(index: GGUFIndex, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf import dequantize
 
     permutes = arch.architecture == "LlamaForCausalLM"
-    for tensor in reader.tensors:
+    for tensor in index.tensors():
         name = _hf_name(tensor.name)
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
