@@ -273,6 +273,8 @@ def assert_no_block_held(base: str, within_s: float) -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_router_gives_what_a_mixed_instance_gives(fleet, prompts, stream):
+    # Streams take every other prompt: the relay is the same per prompt, the suite's time not.
+    prompts = prompts[::2] if stream else prompts
     before = metrics(fleet.urls["prefill"]), metrics(fleet.urls["decode"])
     for prompt in prompts:
         want = complete(fleet.urls["mixed"], prompt, stream)
