@@ -34,17 +34,21 @@ def cache_root() -> str:
     return root or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
 
 
+def file_digest(path: str, *versions: str) -> str:
+    """A cache key for the file at ``path`` as it is now (absolute path, size, modification
+    time) read by the code of ``versions``: any change to either gives another key."""
+    stat = os.stat(path)
+    key = "\0".join([os.path.abspath(path), str(stat.st_size), str(stat.st_mtime_ns), *versions])
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def _entry(path: str) -> str:
     """The cache folder of the GGUF file at ``path`` as it is now, converted by this
     version of transformers in this format."""
     import transformers
 
-    stat = os.stat(path)
-    key = "\0".join(
-        [os.path.abspath(path), str(stat.st_size), str(stat.st_mtime_ns)]
-        + [transformers.__version__, str(FORMAT_VERSION)]
-    )
-    return os.path.join(cache_root(), "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest())
+    digest = file_digest(path, transformers.__version__, str(FORMAT_VERSION))
+    return os.path.join(cache_root(), "gguf-tokenizers", digest)
 
 
 def load(path: str) -> tuple[PreTrainedTokenizerBase, dict[str, Any]] | None:

@@ -13,7 +13,6 @@ skipped: the file is parsed again.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -24,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.tokenizer_cache import cache_root
+from tandem.tokenizer_cache import cache_root, file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +114,7 @@ def open_gguf(path: str) -> GGUFIndex:
 
 
 def _entry(path: str) -> str:
-    stat = os.stat(path)
-    key = "\0".join(
-        [os.path.abspath(path), str(stat.st_size), str(stat.st_mtime_ns)]
-        + [importlib.metadata.version("gguf"), str(FORMAT_VERSION)]
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()
+    digest = file_digest(path, importlib.metadata.version("gguf"), str(FORMAT_VERSION))
     return os.path.join(cache_root(), "gguf-index", digest + ".json")
 
 

@@ -20,6 +20,7 @@ from tandem.layers.attention import DenseCausalBackend
 from tandem.models.loader import ModelFiles, default_model_path, load_model
 from tandem.models.mtp import MTPHead, load_mtp_head, random_head, save_head
 from tandem.train.mtp_distill import distill_loss
+from tests.unit.mtp_head_helpers import dense_layer
 
 pytestmark = pytest.mark.slow  # three engines and a dense reference per draft step
 
@@ -63,18 +64,6 @@ def offline_tokenizer():
     return Tokenizer.from_model_path(default_model_path())
 
 
-def _dense_layer(layer, positions, tokens, hidden, model) -> torch.Tensor:
-    n = len(positions)
-    return layer(
-        torch.tensor(positions),
-        model.embed_tokens(torch.tensor(tokens)),
-        hidden,
-        (None, None),
-        None,
-        DenseCausalBackend(1, n),
-    )
-
-
 def _argmax_or_tie(model, layer, g) -> int | None:
     logits = model.compute_logits(layer.final_norm(g.unsqueeze(0)))[0]
     top = logits.topk(2)
@@ -90,14 +79,14 @@ def reference_drafts(model, head, seq: list[int], e: int, drafts: list[int]) -> 
     target = model(torch.tensor(seq[:n]), torch.arange(n), caches, None, DenseCausalBackend(1, n))
     layer0, layer1 = head.layers
     # Layer 0 at every position q <= e: the target's h[q] and the token at q + 1.
-    g0 = _dense_layer(layer0, list(range(n)), seq[1 : n + 1], target, model)
+    g0 = dense_layer(layer0, list(range(n)), seq[1 : n + 1], target, model)
     wanted = [_argmax_or_tie(model, layer0, g0[e])]
     # Layer 1 at every q <= e on layer 0's output at q - 1, then the chain: depth 1 at e + 1
     # (layer 0's output at e, draft 1), depth 2 at e + 2 (depth 1's output, draft 2).
     stream = torch.cat([torch.zeros_like(g0[:1]), g0[:-1]])
     rows_hidden, rows_tokens = [stream, g0[e:]], seq[1 : n + 1] + [drafts[0]]
     for depth in range(1, K):
-        out = _dense_layer(
+        out = dense_layer(
             layer1, list(range(n + depth)), rows_tokens, torch.cat(rows_hidden), model
         )
         wanted.append(_argmax_or_tie(model, layer1, out[-1]))

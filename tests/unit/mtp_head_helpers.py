@@ -10,6 +10,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from tandem.layers.attention import DenseCausalBackend
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.llama import LlamaModel, split_fused_weights
 from tandem.models.mtp import MTPHead
@@ -81,3 +82,16 @@ def write_checkpoint(directory, architecture: str, shards: dict[str, dict]) -> N
         json.dump(hf_config(architecture), f)
     for file, tensors in shards.items():
         save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, file))
+
+
+def dense_layer(layer, positions: list[int], tokens: list[int], hidden, model) -> torch.Tensor:
+    """An MTP layer's output over one sequence of rows at ``positions`` (causal, no cache):
+    each row on its ``hidden`` input and the embedding of its token in ``tokens``."""
+    return layer(
+        torch.tensor(positions),
+        model.embed_tokens(torch.tensor(tokens)),
+        hidden,
+        (None, None),
+        None,
+        DenseCausalBackend(1, len(positions)),
+    )

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mtp_head_helpers import dense_layer
 
-from tandem.layers.attention import DenseCausalBackend
 from tandem.models.loader import ModelFiles, load_model
 from tandem.models.mtp import random_head
 from tandem.train.mtp_distill import _base_outputs, depth_outputs, distill_loss
@@ -21,25 +21,14 @@ from tandem.train.mtp_distill import _base_outputs, depth_outputs, distill_loss
 SEQ_LEN = 10
 
 
-def _causal(layer, positions, tokens, hidden, model) -> torch.Tensor:
-    return layer(
-        torch.tensor(positions),
-        model.embed_tokens(torch.tensor(tokens)),
-        hidden,
-        (None, None),
-        None,
-        DenseCausalBackend(1, len(positions)),
-    )
-
-
 def _reference_chain(model, head, seq: list[int], hidden, depth: int, start: int):
     """Depth ``depth``'s output for the chain from position ``start`` (P), from the
     definition: own layers at every position, then the last layer's stream plus chain."""
     n = SEQ_LEN - 1
-    own = [_causal(head.layers[0], list(range(n)), seq[1:], hidden[:n], model)]
+    own = [dense_layer(head.layers[0], list(range(n)), seq[1:], hidden[:n], model)]
     for index in range(1, head.num_layers):
         shifted = torch.cat([torch.zeros_like(own[-1][:1]), own[-1][:-1]])
-        own.append(_causal(head.layers[index], list(range(n)), seq[1:], shifted, model))
+        own.append(dense_layer(head.layers[index], list(range(n)), seq[1:], shifted, model))
     last = head.num_layers - 1
     stream_inputs = hidden[:n] if last == 0 else torch.cat([own[-2][:1] * 0, own[-2][:-1]])
     end = start + last  # the stream's last position
@@ -49,7 +38,7 @@ def _reference_chain(model, head, seq: list[int], hidden, depth: int, start: int
     for j in range(head.num_layers, depth + 1):
         rows_hidden.append(previous)
         rows_tokens = rows_tokens + [seq[start + j + 1]]
-        out = _causal(
+        out = dense_layer(
             head.layers[last],
             list(range(start + j + 1)),
             rows_tokens,
