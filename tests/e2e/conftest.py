@@ -29,6 +29,18 @@ def offline(llm_cache) -> LLM:
     return llm_cache[()]
 
 
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """Hugging Face transformers' model of the default weights (fp32, CPU), loaded once: its
+    GGUF conversion takes half a minute here, and several modules take references from it."""
+    import torch
+
+    from tandem.bench.hf_reference import load_hf_model
+    from tandem.models.loader import default_model_path
+
+    return load_hf_model(default_model_path(), torch.float32)
+
+
 @pytest.fixture(scope="module")
 def server_args() -> list[str]:
     """Extra ``tandem serve`` arguments of the module's server (a module overrides this)."""

@@ -9,8 +9,7 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.bench.datasets import load_mtbench
-from tandem.bench.hf_reference import hf_greedy_generate, load_hf_model, tie_rule_mismatches
-from tandem.models.loader import default_model_path
+from tandem.bench.hf_reference import hf_greedy_generate, tie_rule_mismatches
 
 pytestmark = pytest.mark.slow  # HF transformers' greedy references for 33 prompts, then ours
 
@@ -48,12 +47,7 @@ def _long_prompt(tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    return load_hf_model(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def reference(hf_model, llm_cache):
+def reference(hf_default_model, llm_cache):
     """Prompts and HF's greedy results for them, computed once for the module."""
     from tandem import LLM
 
@@ -68,7 +62,7 @@ def reference(hf_model, llm_cache):
     }
     eos = sorted(tokenizer.end_token_ids)
     results = {
-        name: hf_greedy_generate(hf_model, ids, MAX_NEW_TOKENS, eos)
+        name: hf_greedy_generate(hf_default_model, ids, MAX_NEW_TOKENS, eos)
         for name, ids in prompts.items()
     }
     return prompts, results

@@ -13,8 +13,6 @@ import torch
 
 from tandem import SamplingParams
 from tandem.bench.datasets import load_mtbench
-from tandem.bench.hf_reference import load_hf_model
-from tandem.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow  # four engines and a transformers reference over 6 prompts
 
@@ -73,12 +71,12 @@ def _reference(model, prompt: list[int], settings: dict, eos: set[int]) -> tuple
 
 
 @pytest.fixture(scope="module")
-def cases(offline):
+def cases(offline, hf_default_model):
     tokenizer = offline.tokenizer
     questions = [q["turns"][0] for q in load_mtbench()[3::7]][:6]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
     eos = set(tokenizer.end_token_ids)
-    hf = load_hf_model(default_model_path(), torch.float32)
+    hf = hf_default_model
     settings = []
     for i, prompt in enumerate(prompts):
         chosen = dict(SETTINGS[i % len(SETTINGS)])
