@@ -4,10 +4,11 @@ consecutive kernels by length (the spacing a CUDA graph leaves between kernels i
 back to back, against longer waits for the host).
 
 Modes: ``overlap`` (plain decoding; also records greedy outputs for the oracle),
-``mtp+overlap`` (the model's MTP head, k = 3) and ``oracle:RATE`` (the oracle proposer, k = 3,
-replaying the ``overlap`` run's recordings; list ``overlap`` first). Each mode decodes BATCH
-MT-Bench prompts for TOKENS tokens: once to warm up, once timed, once profiled; the first
-tenth of the profiled kernels (the prefill) is left out of the per-step numbers.
+``mtp+overlap`` (the model's MTP head, k = ``--k``, default 3) and ``oracle:RATE`` (the
+oracle proposer, k = ``--k``, replaying the ``overlap`` run's recordings; list ``overlap``
+first). Each mode decodes BATCH MT-Bench prompts for TOKENS tokens: once to warm up, once
+timed, once profiled; the first tenth of the profiled kernels (the prefill) is left out of
+the per-step numbers.
 
 Usage: python scripts/kernel_census.py MODEL OUT.json --batch 1 --tokens 128 \
            --modes overlap,mtp+overlap
@@ -31,13 +32,13 @@ K = 3
 GAP_BUCKETS_US = ((1.5, "<=1.5us"), (3.0, "1.5-3us"), (8.0, "3-8us"), (50.0, "8-50us"))
 
 
-def _engine(model: str, mode: str, batch: int) -> LLM:
+def _engine(model: str, mode: str, batch: int, k: int = K) -> LLM:
     options = {"model": model, "device": "cuda", "max_num_seqs": max(8, batch)}
     if mode.startswith("mtp"):
-        options.update(speculative="mtp", num_speculative_tokens=K)
+        options.update(speculative="mtp", num_speculative_tokens=k)
     elif mode.startswith("oracle:"):
         rate = float(mode.split(":")[1])
-        options.update(speculative="oracle", num_speculative_tokens=K, oracle_corruption=rate)
+        options.update(speculative="oracle", num_speculative_tokens=k, oracle_corruption=rate)
     return LLM(kv_cache_memory_gb=8, **options)
 
 
@@ -102,12 +103,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--modes", default="overlap,mtp+overlap")
+    parser.add_argument("--k", type=int, default=K, help="draft tokens per step (default 3)")
     args = parser.parse_args()
     questions = load_mtbench()
-    results: dict = {"model": args.model, "batch": args.batch, "tokens": args.tokens}
+    results: dict = {"model": args.model, "batch": args.batch, "tokens": args.tokens, "k": args.k}
     recordings = None
     for mode in args.modes.split(","):
-        llm = _engine(args.model, mode, args.batch)
+        llm = _engine(args.model, mode, args.batch, args.k)
         prompts = [
             {
                 "prompt_token_ids": llm.tokenizer.apply_chat_template(
@@ -117,7 +119,9 @@ def main() -> None:
             for q in (questions[i % len(questions)]["turns"][0] for i in range(args.batch))
         ]
         if mode == "overlap":
-            longer = SamplingParams(temperature=0.0, max_tokens=args.tokens + K, ignore_eos=True)
+            longer = SamplingParams(
+                temperature=0.0, max_tokens=args.tokens + args.k, ignore_eos=True
+            )
             outputs = llm.generate(prompts, longer, use_tqdm=False)
             recordings = {
                 tuple(p["prompt_token_ids"]): o.outputs[0].token_ids
