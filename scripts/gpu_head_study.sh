@@ -8,7 +8,7 @@
 #          one), each for TRAIN_S seconds (default 480;
 #          the time budget includes a minute for its MT-Bench acceptance):
 #          CONFIGS="name:VAR=V,VAR=V name2:..." with scripts/gpu_mtp.py's variables
-#          (NUM_LAYERS, CHAIN, SHAREGPT, SELF_REPEAT, INIT_HEAD, LR); the heads go to
+#          (NUM_LAYERS, CHAIN, SHAREGPT, SELF_REPEAT, INIT_HEAD, LR, TEACHER_T); the heads go to
 #          OUT_DIR/NAME, the self-generated shards already in OUT_DIR are the replies
 #   spec   `tandem bench spec` over HEADS (comma-separated head directories) on the 80
 #          MT-Bench first turns and on 80 held-out ShareGPT first turns, at batch 80, k = 3,

@@ -8,7 +8,8 @@ GENERATED=FILE[,FILE...] skips the generation in a later call; INIT_HEAD=DIR con
 training that head; SELF_REPEAT=N repeats the self-generated replies N times in the training
 set (they are closest to what the head drafts for when serving); SHAREGPT=0 trains on the
 self-generated replies alone; NUM_LAYERS=N trains a new head of N layers; CHAIN=0 trains
-repeated depths with the older causal mask; HEAD_NAME names the head's directory under
+repeated depths with the older causal mask; TEACHER_T=T distills from the base's distribution
+at temperature T; HEAD_NAME names the head's directory under
 OUT_DIR (default `head`). `speed` is `tandem bench spec`'s run at batch 1 and 16 (with the
 non-speculative baseline)."""
 
@@ -103,6 +104,7 @@ if stage in ("all", "train"):
         "chain_attention": os.environ.get("CHAIN", "1") == "1",
         "self_repeat": repeat,
         "init_head": os.environ.get("INIT_HEAD"),
+        "teacher_temperature": float(os.environ.get("TEACHER_T", "1")),
     }
     # Leave about a minute of the call for the acceptance run.
     remaining = budget - (time.perf_counter() - started) - (5 if smoke else 75)
@@ -116,6 +118,7 @@ if stage in ("all", "train"):
         init_head=os.environ.get("INIT_HEAD"),
         num_layers=int(os.environ.get("NUM_LAYERS", "1")),
         chain_attention=os.environ.get("CHAIN", "1") == "1",
+        teacher_temperature=float(os.environ.get("TEACHER_T", "1")),
     )
     start = time.perf_counter()
     _, summary = train_mtp(

@@ -54,6 +54,10 @@ class TrainConfig:
     # Repeated depths attend as a serving draft chain does (chain_attention.py); False trains
     # them with causal attention over their own rows, as heads before it were trained.
     chain_attention: bool = True
+    # The base's distribution is sharpened to softmax(logits / T) before the KL: below 1 the
+    # head spends less of its capacity on the base's tail, more on its first choice (what
+    # greedy verification accepts).
+    teacher_temperature: float = 1.0
 
 
 def _base_outputs(model: LlamaModel, tokens: torch.Tensor):
@@ -121,12 +125,24 @@ def depth_outputs(head, model, tokens, hidden, depths: int, chain: bool = True):
         previous, previous_start = g, start
 
 
-def distill_loss(head, model, tokens, depths: int = len(DEPTH_WEIGHTS), chain: bool = True):
+def distill_loss(
+    head,
+    model,
+    tokens,
+    depths: int = len(DEPTH_WEIGHTS),
+    chain: bool = True,
+    teacher_temperature: float = 1.0,
+):
     """KL(base || head) summed over ``depths`` draft depths (weights ``DEPTH_WEIGHTS``), and
     each depth's greedy agreement with the base under teacher forcing (the first is an
     acceptance estimate), with the depths chained as the engine chains drafts
-    (``depth_outputs``)."""
+    (``depth_outputs``). The base's distribution is taken at ``teacher_temperature``
+    (its log-probs divided by it and normalized again; 1 leaves it as it is)."""
+    if not teacher_temperature > 0:
+        raise ValueError(f"teacher_temperature must be > 0, got {teacher_temperature}")
     hidden, base_logprobs = _base_outputs(model, tokens)
+    if teacher_temperature != 1.0:
+        base_logprobs = (base_logprobs / teacher_temperature).log_softmax(dim=-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     agreements = []
     for depth, start, layer, g in depth_outputs(head, model, tokens, hidden, depths, chain):
@@ -183,7 +199,11 @@ def train_mtp(
             device_type=torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32
         ):
             loss, agree = distill_loss(
-                head, base, train_tokens[rows].to(device), chain=config.chain_attention
+                head,
+                base,
+                train_tokens[rows].to(device),
+                chain=config.chain_attention,
+                teacher_temperature=config.teacher_temperature,
             )
         optimizer.zero_grad(set_to_none=True)
         loss.float().backward()
@@ -303,6 +323,12 @@ def add_cli_arguments(parser) -> None:
         default=None,
         help="continue training this head directory instead of starting anew",
     )
+    parser.add_argument(
+        "--teacher-temperature",
+        type=float,
+        default=1.0,
+        help="distill from the base's distribution at this temperature (below 1: sharper)",
+    )
 
 
 def main_from_args(args) -> int:
@@ -334,6 +360,7 @@ def main_from_args(args) -> int:
         init_head=args.init_head,
         num_layers=args.num_layers,
         chain_attention=args.chain_attention,
+        teacher_temperature=args.teacher_temperature,
     )
     _, summary = train_mtp(
         args.model,

@@ -85,3 +85,28 @@ def test_the_loss_trains_every_depth_under_the_chain_mask():
     assert torch.isfinite(loss) and len(agreements) == 3
     assert all(0 <= float(a) <= 1 for a in agreements)
     assert head.layers[0].block.self_attn.qkv_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_cold_teacher_makes_the_loss_the_cross_entropy_of_the_base_s_first_choice():
+    """At teacher temperature T the base's log-probs are divided by T and normalized again;
+    as T nears 0 the KL nears each depth's cross-entropy against the base's argmax."""
+    from tandem.train.mtp_distill import DEPTH_WEIGHTS
+
+    files = ModelFiles("dummy:tiny")
+    model = load_model(files, 64, torch.float32, torch.device("cpu"))
+    head = random_head(files.arch, 1, model.rotary)
+    tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain, _ = distill_loss(head, model, tokens)
+        assert torch.equal(distill_loss(head, model, tokens, teacher_temperature=1.0)[0], plain)
+        cold, _ = distill_loss(head, model, tokens, teacher_temperature=1e-4)
+        hidden, base_logprobs = _base_outputs(model, tokens)
+        want = 0.0
+        for depth, start, layer, g in depth_outputs(head, model, tokens, hidden, 3):
+            student = model.compute_logits(layer.final_norm(g)).log_softmax(dim=-1)
+            first = base_logprobs[:, start + 1 :].argmax(-1, keepdim=True)
+            want += DEPTH_WEIGHTS[depth] * -student.gather(-1, first).mean()
+    torch.testing.assert_close(cold, torch.as_tensor(want), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(cold, plain, atol=1e-2)
+    with pytest.raises(ValueError, match="teacher_temperature"):
+        distill_loss(head, model, tokens, teacher_temperature=0.0)
