@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tandem.models.gguf_index import GGUFIndex, open_gguf
+from tandem.models.gguf_weights_cache import cached_weights
 from tandem.models.llama import LlamaModel
 from tandem.models.registry import PEAKED_SUFFIX, ModelArchConfig, dummy_preset
 
@@ -69,7 +70,7 @@ class ModelFiles:
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named fp32 (or checkpoint-dtype) tensors."""
         if self._gguf is not None:
-            return _iter_gguf(self._gguf, self.arch)
+            return cached_weights(self.path, lambda: _iter_gguf(self._gguf, self.arch))
         return _iter_safetensors(self.path)
 
 
