@@ -34,11 +34,25 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
+        self._shape = (head_dim, max_position, theta, scaling)
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim, max_position, theta, scaling = self._shape
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        return freqs.cos(), freqs.sin()
+
+    def fill_tables(self) -> None:
+        """Compute the tables again into the buffers (after ``to_empty`` left them unset), on
+        their device, as the constructor would have there."""
+        with torch.device(self.cos.device):
+            cos, sin = self._tables()
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, H, D] (queries and keys of any number of heads) by positions [T]."""

@@ -139,6 +139,16 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
 
+    def materialize(self, device: torch.device) -> LlamaModel:
+        """This model, built on the meta device, given storage on ``device``: parameters
+        left unset for the caller to fill, the rotary tables computed, the LM head tied to
+        the embedding again (``to_empty`` unties it)."""
+        self.to_empty(device=device)
+        self.rotary.fill_tables()
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        return self
+
     def forward(
         self,
         input_ids: torch.Tensor,

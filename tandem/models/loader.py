@@ -79,8 +79,11 @@ def load_model(
 ) -> LlamaModel:
     """Build the model on ``device`` in ``dtype`` and fill its weights; for inference (no
     parameter requires grad, so the fused kernels apply in any grad mode)."""
-    with torch.device(device):
+    # Built without nn.Linear's random init (a third of an engine's start): every parameter
+    # is filled below, and a checkpoint missing one is refused (``load_fused_weights``).
+    with torch.device("meta"):
         net = LlamaModel(files.arch, max_position)
+    net.materialize(torch.device(device))
     if files.is_dummy:
         _fill_dummy(net, seed, peaked=files.path.endswith(PEAKED_SUFFIX))
     else:
