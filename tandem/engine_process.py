@@ -137,6 +137,7 @@ class EngineCoreProcess:
         self._parent = os.getppid()  # the API process; if it dies, so does this one
         self._output_address = output_address
         self.turn_started = time.monotonic()  # read by the heartbeat thread
+        self._reported_metrics: dict | None = None  # the last metrics a PD instance sent
 
     def info(self) -> EngineInfo:
         """This engine's limits and role, for the client."""
@@ -186,8 +187,12 @@ class EngineCoreProcess:
         if not self.running:
             return
         updates = self.core.step()
-        if updates or busy or handled:
-            self._send(StepUpdates(updates, self.core.metrics()))
+        metrics = self.core.metrics()
+        # Work that ends while the instance is idle (a KV transfer reaped, its blocks freed)
+        # changes only the metrics: they are reported too, or /metrics would lag behind.
+        if updates or busy or handled or metrics != self._reported_metrics:
+            self._send(StepUpdates(updates, metrics))
+            self._reported_metrics = metrics
 
     def _send(self, message: Message) -> None:
         if self.outputs is not None:  # followers report nothing: the leader does
