@@ -1,0 +1,99 @@
+"""The spacing a CUDA graph leaves between back-to-back small kernels, with and without
+programmatic dependent launch (PDL: the next kernel starts while the one before finishes,
+and waits for its results with ``gdc_wait`` before reading them).
+
+A chain of COUNT tiny Triton kernels, each adding one to the vector the one before wrote,
+captured in one graph; the median replay time per kernel, once launched plainly and once
+with ``launch_pdl=True``; the same chain as torch ``add`` kernels for reference. The final
+vector is checked (COUNT added to every element), so a race shows as a wrong sum.
+
+Usage: python scripts/launch_gap_probe.py OUT.json [--count 300] [--size 576]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_one(src, dst, n, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible past here
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    value = tl.load(src + offsets, mask=mask)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(dst + offsets, value + 1, mask=mask)
+
+
+def _chain(kind, buffers, count, block):
+    n = buffers[0].numel()
+    for i in range(count):
+        src, dst = buffers[i % 2], buffers[(i + 1) % 2]
+        if kind == "torch":
+            torch.add(src, 1, out=dst)
+        else:
+            pdl = kind == "triton+pdl"
+            extra = {"launch_pdl": True} if pdl else {}
+            _add_one[(triton.cdiv(n, block),)](src, dst, n, PDL=pdl, BLOCK=block, **extra)
+
+
+def _time(kind, count, size, block=1024, replays=50):
+    buffers = [torch.zeros(size, device="cuda") for _ in range(2)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _chain(kind, buffers, count, block)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _chain(kind, buffers, count, block)
+    times = []
+    for _ in range(5):
+        buffers[0].zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / count)
+    buffers[0].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    correct = bool((buffers[count % 2] == count).all().item())
+    for _ in range(replays):  # steady state: many replays back to back
+        graph.replay()
+    torch.cuda.synchronize()
+    return {"kind": kind, "us_per_kernel": statistics.median(times), "sum_correct": correct}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--size", type=int, default=576)
+    args = parser.parse_args()
+    runs = []
+    for size in (args.size, 1 << 20):
+        for kind in ("torch", "triton", "triton+pdl"):
+            try:
+                run = _time(kind, args.count, size)
+            except Exception as error:  # an older triton without PDL: say so
+                run = {"kind": kind, "error": f"{type(error).__name__}: {error}"}
+            run["size"] = size
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+    result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "runs": runs}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
