@@ -8,18 +8,24 @@ norm with residual, gate-up GEMM, SiLU-and-multiply, down GEMM: 7 kernels) and `
 (norm+qkv, o_proj by cuBLAS, norm+gate-up, SiLU+down: 4 kernels), the largest difference
 between their outputs, and the weights' bytes over the run's time (GB/s).
 
-Usage: python scripts/fused_linear_bench.py OUT.json [--rows 1,4,16]
+With ``--sweep``, instead: each fused op alone (norm+qkv, norm+gate-up, SiLU+down) over
+the layers at 4 rows, for every tiling of a grid (BLOCK_N, BLOCK_K, warps, stages), against
+its unfused kernels (the norm or SiLU kernel and the cuBLAS GEMM) in the same graph form.
+
+Usage: python scripts/fused_linear_bench.py OUT.json [--rows 1,4,16] [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+from tandem.layers import skinny_linear
 from tandem.layers.fused import rms_norm, silu_mul
 from tandem.layers.skinny_linear import norm_linear, silu_mul_linear
 
@@ -90,11 +96,80 @@ def _time_graph(fn, x, layers, replays=200):
     return statistics.median(times), out
 
 
+def _sweep(shape, rows=4):
+    hidden, qkv, inter, count = SHAPES[shape]
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    layers = _layers(hidden, qkv, inter, count, device)
+    x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    gate_up_in = torch.randn(rows, 2 * inter, device=device, dtype=torch.bfloat16)
+    ops = {  # name: (unfused chain, fused chain taking a tiling)
+        "norm+qkv": (
+            lambda: [F.linear(rms_norm(x, w["n1"], EPS, x)[0], w["qkv"]) for w in layers],
+            lambda cfg: [
+                skinny_linear.launch_with(
+                    x, w["qkv"], None, 2, x, torch.empty_like(x), w["n1"], EPS, **cfg
+                )
+                for w in layers
+            ],
+        ),
+        "norm+gate_up": (
+            lambda: [F.linear(rms_norm(x, w["n2"], EPS, x)[0], w["gate_up"]) for w in layers],
+            lambda cfg: [
+                skinny_linear.launch_with(
+                    x, w["gate_up"], None, 2, x, torch.empty_like(x), w["n2"], EPS, **cfg
+                )
+                for w in layers
+            ],
+        ),
+        "silu+down": (
+            lambda: [F.linear(silu_mul(*gate_up_in.chunk(2, dim=-1)), w["down"]) for w in layers],
+            lambda cfg: [
+                skinny_linear.launch_with(gate_up_in, w["down"], None, 3, **cfg) for w in layers
+            ],
+        ),
+    }
+    runs = []
+    for op, (unfused, fused) in ops.items():
+        base_us, _ = _time_graph(lambda *_, unfused=unfused: unfused(), None, None)
+        best = None
+        for block_n, block_k, warps, stages in itertools.product(
+            (16, 32, 64), (128, 256, 512), (4, 8), (1, 3)
+        ):
+            cfg = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+            try:
+                us, _ = _time_graph(
+                    lambda *_, cfg=cfg, fused=fused: fused(cfg), None, None, replays=50
+                )
+            except Exception as error:  # a tiling the chip cannot hold (shared memory)
+                print(op, cfg, type(error).__name__, flush=True)
+                continue
+            run = {
+                "shape": shape,
+                "op": op,
+                "rows": rows,
+                **cfg,
+                "fused_us": us / count,
+                "unfused_us": base_us / count,
+            }
+            runs.append(run)
+            if best is None or us < best["fused_us"] * count:
+                best = run
+        print(json.dumps(best), flush=True)
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--rows", default="1,4,16")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
+    if args.sweep:
+        runs = [run for shape in SHAPES for run in _sweep(shape)]
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "runs": runs}, f, indent=1)
+        return
     device = torch.device("cuda")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     for name, (hidden, qkv, inter, count) in SHAPES.items():

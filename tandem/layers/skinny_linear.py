@@ -38,7 +38,7 @@ except ImportError:  # tandem runs without triton: every op takes its PyTorch fo
 MAX_ROWS = 16
 """Most rows the fused kernels take (one tensor-core tile); more go to the unfused chain."""
 
-_BLOCK_K = 64
+_LAUNCH_CONFIG = (16, 64, 4, 3)  # BLOCK_N, BLOCK_K, warps, pipeline stages
 _PROLOGUE_NONE, _PROLOGUE_NORM, _PROLOGUE_NORM_RESIDUAL, _PROLOGUE_SILU_MUL = 0, 1, 2, 3
 
 
@@ -116,6 +116,39 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x, weight, bias, prologue, residual=None, summed=None, norm_weight=None, eps=0.0):
+    block_n, block_k, num_warps, num_stages = _LAUNCH_CONFIG
+    return launch_with(
+        x,
+        weight,
+        bias,
+        prologue,
+        residual,
+        summed,
+        norm_weight,
+        eps,
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def launch_with(
+    x,
+    weight,
+    bias,
+    prologue,
+    residual=None,
+    summed=None,
+    norm_weight=None,
+    eps=0.0,
+    *,
+    block_n,
+    block_k,
+    num_warps,
+    num_stages,
+):
+    """The kernel with a chosen tiling (benchmarks sweep it)."""
     num_rows = x.shape[0]
     n_out, k_in = weight.shape
     if x.shape[1] != (2 * k_in if prologue == _PROLOGUE_SILU_MUL else k_in):
@@ -123,7 +156,6 @@ def _launch(x, weight, bias, prologue, residual=None, summed=None, norm_weight=N
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
-    block_n = 16 if n_out <= 8192 else 32
     residual = x if residual is None else residual
     summed = x if summed is None else summed
     norm_weight = weight if norm_weight is None else norm_weight
@@ -149,7 +181,9 @@ def _launch(x, weight, bias, prologue, residual=None, summed=None, norm_weight=N
         FULL_PRECISION=x.dtype == torch.float32,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
-        BLOCK_K=_BLOCK_K,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -174,7 +208,9 @@ if triton is not None:
         dtype = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
         if PROLOGUE == 3:
-            up = tl.load(x_ptr + rows[:, None] * stride_x + k_in + ks[None, :], mask=mask, other=0.0)
+            up = tl.load(
+                x_ptr + rows[:, None] * stride_x + k_in + ks[None, :], mask=mask, other=0.0
+            )
             g = x.to(tl.float32)
             silu = (g / (1.0 + tl.exp(-g))).to(dtype)
             x = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
