@@ -14,7 +14,6 @@ from torch import nn
 from tandem.layers.attention import AttentionBackend, AttentionMetadata
 from tandem.layers.fused import rms_norm, silu_mul
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.layers.skinny_linear import fused_linear_applies, norm_linear, silu_mul_linear
 from tandem.models.registry import ModelArchConfig
 
 
@@ -50,11 +49,7 @@ class Attention(nn.Module):
         self.scale = arch.head_dim**-0.5
 
     def forward(self, positions, hidden, kv_cache, metadata, backend: AttentionBackend):
-        return self.attend(positions, self.qkv_proj(hidden), kv_cache, metadata, backend)
-
-    def attend(self, positions, qkv, kv_cache, metadata, backend: AttentionBackend):
-        """The attention block from its fused q/k/v projection ``qkv`` on: rotation, the
-        cache, attention and ``o_proj``."""
+        qkv = self.qkv_proj(hidden)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -119,11 +114,7 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, hidden, kv_cache, metadata, backend, residual=None):
         """(MLP output, residual): the layer's output is their sum, left for the next
         norm to add in its kernel. Given ``residual``, the input is ``hidden + residual``
-        (added inside the first norm). At a few rows on the GPU each norm runs inside the
-        projection after it, and SiLU-and-multiply inside the down projection
-        (:mod:`tandem.layers.skinny_linear`)."""
-        if self._fuses_projections(hidden):
-            return self._fused_forward(positions, hidden, kv_cache, metadata, backend, residual)
+        (added inside the first norm)."""
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
@@ -131,28 +122,6 @@ class DecoderLayer(nn.Module):
         attended = self.self_attn(positions, normed, kv_cache, metadata, backend)
         normed, residual = self.post_attention_layernorm(attended, residual=residual)
         return self.mlp(normed), residual
-
-    def _fuses_projections(self, hidden: torch.Tensor) -> bool:
-        """The fused kernels apply: plain projections (not tensor-parallel wrappers), the
-        gate-up matrix fused, and ``hidden`` few enough rows on the GPU."""
-        qkv, gate_up, down = self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj
-        if gate_up is None or not all(type(m) is nn.Linear for m in (qkv, gate_up, down)):
-            return False
-        return fused_linear_applies(hidden, qkv.weight, gate_up.weight, down.weight)
-
-    def _fused_forward(self, positions, hidden, kv_cache, metadata, backend, residual):
-        norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
-        qkv = norm_linear(hidden, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias, residual)
-        if residual is None:
-            residual = hidden
-        else:
-            qkv, residual = qkv
-        attended = self.self_attn.attend(positions, qkv, kv_cache, metadata, backend)
-        norm = self.post_attention_layernorm
-        gate_up, residual = norm_linear(
-            attended, norm.weight, norm.eps, self.mlp.gate_up_proj.weight, residual=residual
-        )
-        return silu_mul_linear(gate_up, self.mlp.down_proj.weight), residual
 
 
 class LlamaModel(nn.Module):
@@ -269,8 +238,7 @@ def load_fused_weights(
 
 
 def split_fused_weights(module: nn.Module, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
-    """The inverse of ``load_fused_weights``: fp32 CPU tensors with q/k/v split again (and
-    gate/up, where ``MLP.fuse_gate_up`` joined them)."""
+    """The inverse of ``load_fused_weights``: fp32 CPU tensors with q/k/v split again."""
     q_size = arch.num_heads * arch.head_dim
     kv_size = arch.num_kv_heads * arch.head_dim
     out: dict[str, torch.Tensor] = {}
@@ -280,10 +248,6 @@ def split_fused_weights(module: nn.Module, arch: ModelArchConfig) -> dict[str, t
             pieces = tensor.split([q_size, kv_size, kv_size], dim=0)
             for proj, piece in zip(_QKV, pieces, strict=True):
                 out[name.replace("qkv_proj", proj)] = piece.contiguous()
-        elif "gate_up_proj" in name:
-            gate, up = tensor.chunk(2, dim=0)
-            out[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
-            out[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
         else:
             out[name] = tensor
     return out

@@ -94,12 +94,6 @@ class MTPHead(nn.Module):
         """Index of the layer that drafts at ``depth`` (0-based): the last one repeats."""
         return min(depth, self.num_layers - 1)
 
-    def fuse_gate_up(self) -> None:
-        """Every layer's MLP with one gate-up matrix, as the target's on the GPU
-        (``MLP.fuse_gate_up``); ``export_weights`` splits them again."""
-        for layer in self.layers:
-            layer.block.mlp.fuse_gate_up()
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Tandem-named tensors (``layers.{i}.<name>``, q/k/v separate)."""
         load_fused_weights(self, self.arch, weights)

@@ -4,7 +4,7 @@ the CPU (fp32 and fp16; bf16 on the GPU through the engine's tests)."""
 import pytest
 import torch
 
-from tandem.layers import fused, fused_rotary, skinny_linear
+from tandem.layers import fused, fused_rotary
 from tandem.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs triton")
@@ -163,9 +163,8 @@ def test_reference_form_off_cuda_and_under_autograd():
 def test_engine_with_the_kernels_matches_the_reference_form(monkeypatch):
     """The whole model with every fused op as a kernel (in the interpreter) gives the
     reference form's greedy tokens and logprobs: the kernels are wired in right (the q/k
-    view, the residual order, the norms inside the projections)."""
+    view, the residual order)."""
     from tandem import LLM, SamplingParams
-    from tandem.worker import model_runner
 
     prompts = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 8]} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
@@ -183,28 +182,11 @@ def test_engine_with_the_kernels_matches_the_reference_form(monkeypatch):
         calls.append(len(tensors))
         return not torch.is_grad_enabled()
 
-    projection_calls = []
-
-    def always_for_projections(*tensors):
-        projection_calls.append(len(tensors))
-        return always(*tensors)
-
-    # The CPU keeps gate and up apart; the GPU's fused matrix is what the kernels take.
-    load_model = model_runner.load_model
-
-    def load_fused(*args, **kwargs):
-        model = load_model(*args, **kwargs)
-        model.fuse_gate_up()
-        return model
-
-    monkeypatch.setattr(model_runner, "load_model", load_fused)
-    # Each module looks the rule up in its own namespace: patch each.
+    # Each module looks the rule up in its own namespace: patch both.
     monkeypatch.setattr(fused, "kernels_apply", always)
     monkeypatch.setattr(fused_rotary, "kernels_apply", always)
-    monkeypatch.setattr(skinny_linear, "kernels_apply", always_for_projections)
     kernels = run()
     assert len(calls) > 10
-    assert len(projection_calls) > 10  # the norm+projection kernels ran too
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(kernels, reference, strict=True):
         assert tokens == ref_tokens
         for got, expected in zip(logprobs, ref_logprobs, strict=True):
