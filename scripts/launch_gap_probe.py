@@ -5,7 +5,10 @@ and waits for its results with ``gdc_wait`` before reading them).
 A chain of COUNT tiny Triton kernels, each adding one to the vector the one before wrote,
 captured in one graph; the median replay time per kernel, once launched plainly and once
 with ``launch_pdl=True``; the same chain as torch ``add`` kernels for reference. The final
-vector is checked (COUNT added to every element), so a race shows as a wrong sum.
+vector is checked (COUNT added to every element), so a race shows as a wrong sum. Then
+COUNT / 2 pairs of a cuBLAS GEMM (4 x 576 by an identity 576 x 576, bf16) and the Triton
+kernel on its output, the kernel launched plainly and with PDL: whether a kernel after a
+cuBLAS GEMM starts sooner with PDL.
 
 Usage: python scripts/launch_gap_probe.py OUT.json [--count 300] [--size 576]
 """
@@ -31,6 +34,46 @@ def _add_one(src, dst, n, PDL: tl.constexpr, BLOCK: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(dst + offsets, value + 1, mask=mask)
+
+
+def _gemm_chain(kind, x, y, weights, block):
+    """GEMM, then the Triton kernel on its output, per weight: x -> x @ I -> + 1."""
+    n = x.numel()
+    pdl = kind == "gemm+triton+pdl"
+    extra = {"launch_pdl": True} if pdl else {}
+    for weight in weights:
+        torch.mm(x, weight, out=y)
+        _add_one[(triton.cdiv(n, block),)](y, x, n, PDL=pdl, BLOCK=block, **extra)
+
+
+def _time_gemm(kind, pairs, rows=4, width=576, block=1024):
+    """Per (GEMM, kernel) pair, with the GEMM's weights an identity (exact in bf16)."""
+    eye = torch.eye(width, device="cuda", dtype=torch.bfloat16)
+    weights = [eye.clone() for _ in range(pairs)]  # distinct copies: streamed, not cached
+    x = torch.zeros(rows, width, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _gemm_chain(kind, x, y, weights, block)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _gemm_chain(kind, x, y, weights, block)
+    times = []
+    for _ in range(5):
+        x.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / pairs)
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    correct = bool((x == pairs).all().item())
+    return {"kind": kind, "us_per_pair": statistics.median(times), "sum_correct": correct}
 
 
 def _chain(kind, buffers, count, block):
@@ -90,6 +133,13 @@ def main() -> None:
             run["size"] = size
             runs.append(run)
             print(json.dumps(run), flush=True)
+    for kind in ("gemm+triton", "gemm+triton+pdl"):
+        try:
+            run = _time_gemm(kind, args.count // 2)
+        except Exception as error:
+            run = {"kind": kind, "error": f"{type(error).__name__}: {error}"}
+        runs.append(run)
+        print(json.dumps(run), flush=True)
     result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "runs": runs}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
