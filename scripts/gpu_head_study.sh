@@ -8,7 +8,8 @@
 #          one), each for TRAIN_S seconds (default 480;
 #          the time budget includes a minute for its MT-Bench acceptance):
 #          CONFIGS="name:VAR=V,VAR=V name2:..." with scripts/gpu_mtp.py's variables
-#          (NUM_LAYERS, CHAIN, SHAREGPT, SELF_REPEAT, INIT_HEAD, LR, TEACHER_T); the heads go to
+#          (NUM_LAYERS, CHAIN, SHAREGPT, SELF, SELF_REPEAT, INIT_HEAD, LR, TEACHER_T, FEATURES);
+#          the heads go to
 #          OUT_DIR/NAME, the self-generated shards already in OUT_DIR are the replies
 #   spec   `tandem bench spec` over HEADS (comma-separated head directories) on the 80
 #          MT-Bench first turns and on 80 held-out ShareGPT first turns, at batch 80, k = 3,
@@ -29,7 +30,7 @@ case $stage in
     done
     wait; tail -n 2 "$out"/gen_*.log ;;
   train)
-    generated=$(ls "$out"/self_generated_*.pt | paste -sd, -)
+    generated=$(ls "$out"/self_generated_*.pt 2>/dev/null | paste -sd, -)
     i=0
     for config in ${CONFIGS}; do
       name=${config%%:*} vars=${config#*:}

@@ -9,7 +9,9 @@ training that head; SELF_REPEAT=N repeats the self-generated replies N times in 
 set (they are closest to what the head drafts for when serving); SHAREGPT=0 trains on the
 self-generated replies alone; NUM_LAYERS=N trains a new head of N layers; CHAIN=0 trains
 repeated depths with the older causal mask; TEACHER_T=T distills from the base's distribution
-at temperature T; HEAD_NAME names the head's directory under
+at temperature T; FEATURES=1:15:29 gives the head fused features of those base layers
+(ending with the last; a continued head starts as it was); SELF=0 trains on ShareGPT alone
+(no generation); HEAD_NAME names the head's directory under
 OUT_DIR (default `head`). `speed` is `tandem bench spec`'s run at batch 1 and 16 (with the
 non-speculative baseline)."""
 
@@ -48,7 +50,9 @@ if stage in ("all", "gen", "train"):
     if smoke:
         data = {"sequences": data["sequences"][:200], "self_prompts": data["self_prompts"][:4]}
     generated = None
-    if "GENERATED" in os.environ:
+    if os.environ.get("SELF") == "0":  # ShareGPT alone: no replies of the base's own
+        generated = []
+    elif os.environ.get("GENERATED"):
         generated = []
         for path in os.environ["GENERATED"].split(","):
             generated += torch.load(path)["generated"]
@@ -105,6 +109,7 @@ if stage in ("all", "train"):
         "self_repeat": repeat,
         "init_head": os.environ.get("INIT_HEAD"),
         "teacher_temperature": float(os.environ.get("TEACHER_T", "1")),
+        "feature_layers": os.environ.get("FEATURES", ""),
     }
     # Leave about a minute of the call for the acceptance run.
     remaining = budget - (time.perf_counter() - started) - (5 if smoke else 75)
@@ -119,6 +124,7 @@ if stage in ("all", "train"):
         num_layers=int(os.environ.get("NUM_LAYERS", "1")),
         chain_attention=os.environ.get("CHAIN", "1") == "1",
         teacher_temperature=float(os.environ.get("TEACHER_T", "1")),
+        feature_layers=tuple(int(i) for i in os.environ.get("FEATURES", "").split(":") if i),
     )
     start = time.perf_counter()
     _, summary = train_mtp(

@@ -138,6 +138,7 @@ class LlamaModel(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
+        self.draft_features: tuple[tuple[int, ...], object] | None = None
 
     def materialize(self, device: torch.device) -> LlamaModel:
         """This model, built on the meta device, given storage on ``device``: parameters
@@ -157,11 +158,33 @@ class LlamaModel(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        """Final-normed hidden states [T, H]; with draft features attached
+        (``attach_draft_features``), [T, 2H]: the draft head's fused features after them."""
+        layers, fuse = self.draft_features or ((), None)
+        hidden, states = self.forward_states(
+            input_ids, positions, kv_caches, metadata, backend, layers
+        )
+        return hidden if fuse is None else torch.cat([hidden, fuse(states)], dim=-1)
+
+    def forward_states(self, input_ids, positions, kv_caches, metadata, backend, layers=()):
+        """Final-normed hidden states and the residual stream after each of ``layers``
+        (indices of decoder layers, in order)."""
         hidden = self.embed_tokens(input_ids)
         residual = None  # every residual add happens inside a norm's kernel
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        states = []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden, residual = layer(positions, hidden, kv_cache, metadata, backend, residual)
-        return self.norm(hidden, residual=residual)[0]
+            if index in layers:
+                states.append(hidden + residual)
+        return self.norm(hidden, residual=residual)[0], states
+
+    def attach_draft_features(self, layers: tuple[int, ...], fuse) -> None:
+        """Make ``forward`` also return ``fuse(states)`` of the residual stream after
+        ``layers``: the input an MTP head with fused base features drafts from
+        (``MTPHead.feature_layers``, EAGLE-3's low, middle and high layers)."""
+        if any(not 0 <= index < len(self.layers) for index in layers):
+            raise ValueError(f"feature layers {list(layers)} outside 0..{len(self.layers) - 1}")
+        self.draft_features = (tuple(layers), fuse)
 
     def fuse_gate_up(self) -> None:
         """Every layer's MLP with one gate-up matrix (``MLP.fuse_gate_up``)."""
@@ -169,7 +192,8 @@ class LlamaModel(nn.Module):
             layer.mlp.fuse_gate_up()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """fp32 logits of hidden states (of ``forward``'s output: its first H columns)."""
+        return self.lm_head(hidden[..., : self.arch.hidden_size]).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors (``model.`` prefix optional)."""

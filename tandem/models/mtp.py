@@ -70,21 +70,57 @@ class MTPLayer(nn.Module):
         metadata: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Returns the layer's hidden state g (pre final_norm) for each row."""
+        """Returns the layer's hidden state g (pre final_norm) for each row. ``hidden`` wider
+        than the model is the target's output with the head's fused base features after its
+        final hidden state (``MTPHead.feature_layers``): the features are what it drafts from."""
+        size = self.hnorm.weight.shape[0]
+        if hidden.shape[-1] != size:
+            hidden = hidden[..., -size:]
         fused = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
         out, residual = self.block(positions, fused, kv_cache, metadata, backend)
         return out + residual
 
 
 class MTPHead(nn.Module):
-    """A stack of MTP layers sharing the target's embedding and lm_head."""
+    """A stack of MTP layers sharing the target's embedding and lm_head. With
+    ``feature_layers`` (indices of the target's decoder layers), its first draft starts from
+    ``feature_proj`` of the residual stream after those layers (EAGLE-3's low, middle and
+    high features) in place of the target's final hidden state."""
 
-    def __init__(self, arch: ModelArchConfig, num_layers: int, rotary):
+    def __init__(
+        self, arch: ModelArchConfig, num_layers: int, rotary, feature_layers: tuple[int, ...] = ()
+    ):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"an MTP head needs at least one layer, got {num_layers}")
         self.arch = arch
         self.layers = nn.ModuleList(MTPLayer(arch, rotary) for _ in range(num_layers))
+        self.feature_layers = tuple(feature_layers)
+        if feature_layers != tuple(sorted(set(feature_layers))):
+            raise ValueError(f"feature layers must be increasing, got {list(feature_layers)}")
+        self.feature_proj = (
+            nn.Linear(len(feature_layers) * arch.hidden_size, arch.hidden_size, bias=False)
+            if feature_layers
+            else None
+        )
+
+    def fuse_features(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """The first draft's input from the residual stream after ``feature_layers``."""
+        return self.feature_proj(torch.cat(states, dim=-1))
+
+    def add_feature_projection(self, layers: tuple[int, ...], final_norm_weight) -> None:
+        """Give a head without features a projection of ``layers`` that starts as the head it
+        was: the last layer's block the target's final norm weight (the layer's own hnorm
+        makes the scale moot), the others zero. ``layers`` must end with the last layer."""
+        if self.feature_proj is not None:
+            raise ValueError("the head already takes fused features")
+        size = self.arch.hidden_size
+        projection = nn.Linear(len(layers) * size, size, bias=False)
+        with torch.no_grad():
+            projection.weight.zero_()
+            projection.weight[:, -size:].copy_(torch.diag(final_norm_weight.float()))
+        self.feature_layers = tuple(layers)
+        self.feature_proj = projection.to(next(self.parameters()).device)
 
     @property
     def num_layers(self) -> int:
@@ -140,7 +176,8 @@ def rename_deepseek(name: str, num_hidden_layers: int) -> str | None:
 
 
 def read_head_file(directory: str) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """A Tandem head directory: its layer count and its tensors."""
+    """A Tandem head directory: its layer count and its tensors (``head_feature_layers``
+    reads its feature layers)."""
     from safetensors.torch import load_file
 
     config = _read_head_config(directory)
@@ -152,6 +189,15 @@ def read_head_file(directory: str) -> tuple[int, Iterator[tuple[str, torch.Tenso
     except Exception as e:
         raise ValueError(f"cannot read MTP weights {weights_path!r}: {e}") from e
     return int(config["num_layers"]), iter(tensors.items())
+
+
+def head_feature_layers(directory: str) -> tuple[int, ...]:
+    """The target layers a head directory's first draft takes fused features of (none for
+    heads that take the final hidden state)."""
+    layers = _read_head_config(directory).get("feature_layers", [])
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        raise ValueError(f"MTP head {directory!r}: feature_layers must be a list of integers")
+    return tuple(layers)
 
 
 def _read_head_config(directory: str) -> dict:
@@ -185,6 +231,7 @@ def save_head(
         "num_layers": head.num_layers,
         "base_model": base_model,
         "hidden_size": head.arch.hidden_size,
+        **({"feature_layers": list(head.feature_layers)} if head.feature_layers else {}),
         **(extra or {}),
     }
     with open(os.path.join(directory, HEAD_CONFIG_FILE), "w") as f:
@@ -311,7 +358,12 @@ def load_mtp_head(source: str | None, files, rotary, seed: int = 0) -> MTPHead:
             return head
         source = _shipped_head(files)
     num_layers, tensors = read_head_file(source)
-    head = MTPHead(arch, num_layers, rotary)
+    head = MTPHead(arch, num_layers, rotary, head_feature_layers(source))
+    if any(not 0 <= index < arch.num_layers for index in head.feature_layers):
+        raise ValueError(
+            f"MTP head {source!r}: feature layers {list(head.feature_layers)} outside the "
+            f"target's 0..{arch.num_layers - 1}"
+        )
     head.load_weights(tensors)
     return head
 

@@ -58,18 +58,26 @@ class TrainConfig:
     # head spends less of its capacity on the base's tail, more on its first choice (what
     # greedy verification accepts).
     teacher_temperature: float = 1.0
+    # The base's layers whose residual stream the first draft takes, fused (EAGLE-3's low,
+    # middle and high features; the last must be the base's last layer). A continued head
+    # without them gets a projection that starts as the head it was.
+    feature_layers: tuple[int, ...] = ()
 
 
-def _base_outputs(model: LlamaModel, tokens: torch.Tensor):
-    """Final hidden states [B, T, H] and log-probs [B, T, V] of the frozen base."""
+def _base_outputs(model: LlamaModel, tokens: torch.Tensor, layers: tuple[int, ...] = ()):
+    """Final hidden states [B, T, H], log-probs [B, T, V] and the residual stream after
+    ``layers`` (each [B, T, H]) of the frozen base."""
     batch, seq_len = tokens.shape
     backend = DenseCausalBackend(batch, seq_len)
     positions = torch.arange(seq_len, device=tokens.device).repeat(batch)
     caches = [(None, None)] * len(model.layers)
     with torch.no_grad():
-        hidden = model(tokens.view(-1), positions, caches, None, backend)
+        hidden, states = model.forward_states(
+            tokens.view(-1), positions, caches, None, backend, layers
+        )
         logprobs = model.compute_logits(hidden).log_softmax(dim=-1)
-    return hidden.view(batch, seq_len, -1), logprobs.view(batch, seq_len, -1)
+    states = [state.view(batch, seq_len, -1) for state in states]
+    return hidden.view(batch, seq_len, -1), logprobs.view(batch, seq_len, -1), states
 
 
 DEPTH_WEIGHTS = (1.0, 0.7, 0.5)
@@ -140,7 +148,9 @@ def distill_loss(
     (its log-probs divided by it and normalized again; 1 leaves it as it is)."""
     if not teacher_temperature > 0:
         raise ValueError(f"teacher_temperature must be > 0, got {teacher_temperature}")
-    hidden, base_logprobs = _base_outputs(model, tokens)
+    hidden, base_logprobs, states = _base_outputs(model, tokens, head.feature_layers)
+    if states:  # what the engine's target hands a head with fused features
+        hidden = torch.cat([hidden, head.fuse_features(states)], dim=-1)
     if teacher_temperature != 1.0:
         base_logprobs = (base_logprobs / teacher_temperature).log_softmax(dim=-1)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -175,6 +185,11 @@ def train_mtp(
     else:
         head = random_head(files.arch, config.num_layers, base.rotary, config.seed).to(device)
         _init_head_from_base(head, base)
+    if config.feature_layers and head.feature_layers != tuple(config.feature_layers):
+        last = len(base.layers) - 1
+        if config.feature_layers[-1] != last:
+            raise ValueError(f"feature layers must end with the base's last layer, {last}")
+        head.add_feature_projection(tuple(config.feature_layers), base.norm.weight)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     history: list[dict] = []
     generator = torch.Generator().manual_seed(config.seed)
@@ -324,6 +339,12 @@ def add_cli_arguments(parser) -> None:
         help="continue training this head directory instead of starting anew",
     )
     parser.add_argument(
+        "--feature-layers",
+        type=lambda text: tuple(int(i) for i in text.split(",")),
+        default=(),
+        help="base layers (comma-separated, ending with the last) the first draft takes fused",
+    )
+    parser.add_argument(
         "--teacher-temperature",
         type=float,
         default=1.0,
@@ -361,6 +382,7 @@ def main_from_args(args) -> int:
         num_layers=args.num_layers,
         chain_attention=args.chain_attention,
         teacher_temperature=args.teacher_temperature,
+        feature_layers=args.feature_layers,
     )
     _, summary = train_mtp(
         args.model,

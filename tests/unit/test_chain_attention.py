@@ -57,7 +57,7 @@ def test_repeated_depths_attend_as_the_serving_chain(num_layers):
     model = load_model(files, 64, torch.float32, torch.device("cpu"))
     head = random_head(files.arch, num_layers, model.rotary, seed=1)
     tokens = torch.randint(0, 500, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
-    hidden, _ = _base_outputs(model, tokens)
+    hidden, _, _ = _base_outputs(model, tokens)
     depths = num_layers + 2
     chained = list(depth_outputs(head, model, tokens, hidden, depths, chain=True))
     older = list(depth_outputs(head, model, tokens, hidden, depths, chain=False))
@@ -100,7 +100,7 @@ def test_a_cold_teacher_makes_the_loss_the_cross_entropy_of_the_base_s_first_cho
         plain, _ = distill_loss(head, model, tokens)
         assert torch.equal(distill_loss(head, model, tokens, teacher_temperature=1.0)[0], plain)
         cold, _ = distill_loss(head, model, tokens, teacher_temperature=1e-4)
-        hidden, base_logprobs = _base_outputs(model, tokens)
+        hidden, base_logprobs, _ = _base_outputs(model, tokens)
         want = 0.0
         for depth, start, layer, g in depth_outputs(head, model, tokens, hidden, 3):
             student = model.compute_logits(layer.final_norm(g)).log_softmax(dim=-1)
