@@ -107,6 +107,36 @@ def test_graphs_match_eager_and_hf_on_cuda(engine):
 
 
 @pytest.mark.gpu
+def test_a_head_with_fused_features_drafts_in_graphs_as_eagerly(tmp_path):
+    """The features computed inside the target's graphs (``MTPHead.feature_layers``) draft
+    what the eager forward's do; outputs stay the eager engine's."""
+    from tandem.models.loader import ModelFiles, load_model
+    from tandem.models.mtp import load_mtp_head, save_head
+    from tests.unit.mtp_head_helpers import head_with_features
+
+    files = ModelFiles(_model())
+    base = load_model(files, 512, torch.float32, torch.device("cpu"))
+    last = files.arch.num_layers - 1
+    shipped = load_mtp_head(None, files, base.rotary)
+    # Small random low and middle blocks: they steer some drafts, most stay accepted.
+    head = head_with_features(base, shipped, (1, last // 2, last), low_scale=0.01)
+    save_head(head, str(tmp_path), files.path, dtype=torch.float32)
+    engine = {**ENGINES["mtp"], "speculative_model": str(tmp_path)}
+    _, graphed, _, _, drafting = _run(engine)
+    _, eager, _, _, eager_drafting = _run(engine, enforce_eager=True)
+    assert drafting["draft_replays"] >= MAX_TOKENS // 4
+    assert drafting["accepted"] >= 0.95 * eager_drafting["accepted"] > 0, (
+        drafting,
+        eager_drafting,
+    )
+    problems, ties = tie_rule_mismatches(
+        graphed, [reference_from_output(o.outputs[0]) for o in eager]
+    )
+    assert not problems, problems
+    assert ties <= 2
+
+
+@pytest.mark.gpu
 def test_sampled_step_graphs_draw_what_the_eager_steps_draw_on_cuda():
     """fp32, MTP k=3, seeded sampled rows (top-p and not) beside greedy ones, with
     logprobs: the resolved steps' graphs (the sampled families) emit the eager engine's

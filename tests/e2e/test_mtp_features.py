@@ -9,8 +9,6 @@ greedy outputs stay plain decoding's either way (lossless)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from tandem import LLM, SamplingParams
 from tandem.models.loader import ModelFiles, default_model_path, load_model
 from tandem.models.mtp import head_feature_layers, load_mtp_head, save_head
 from tandem.train.mtp_distill import distill_loss
+from tests.unit.mtp_head_helpers import head_with_features
 
 pytestmark = pytest.mark.slow  # four engines on the default model
 
@@ -36,16 +35,7 @@ def base_and_head():
 
 
 def _with_features(base, head, randomize_low: bool):
-    fused = copy.deepcopy(head)
-    fused.add_feature_projection(FEATURES, base.norm.weight)
-    if randomize_low:  # the low and middle layers' blocks, zero at the start, made random
-        size = base.arch.hidden_size
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            fused.feature_proj.weight[:, : 2 * size].copy_(
-                0.05 * torch.randn(size, 2 * size, generator=generator)
-            )
-    return fused
+    return head_with_features(base, head, FEATURES, 0.05 if randomize_low else 0.0)
 
 
 @torch.inference_mode()

@@ -95,3 +95,20 @@ def dense_layer(layer, positions: list[int], tokens: list[int], hidden, model) -
         None,
         DenseCausalBackend(1, len(positions)),
     )
+
+
+def head_with_features(base: LlamaModel, head: MTPHead, layers, low_scale: float = 0.0):
+    """A copy of ``head`` drafting from fused features of the base's ``layers`` (ending with
+    its last): as it was (``low_scale`` 0), or with the other layers' blocks of the projection
+    random at that scale (seeded), so that they steer the drafts."""
+    import copy
+
+    fused = copy.deepcopy(head)
+    fused.add_feature_projection(tuple(layers), base.norm.weight)
+    if low_scale:
+        size = base.arch.hidden_size
+        low = fused.feature_proj.weight[:, :-size]
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            low.copy_(low_scale * torch.randn(low.shape, generator=generator).to(low.dtype))
+    return fused
