@@ -94,13 +94,10 @@ class ModelRunner:
                     f"PD role {config.disagg.role!r}: an MTP head of {mtp_head.num_layers} "
                     "layers is not supported there yet (one layer is)"
                 )
-            if mtp_head.feature_layers and world_size > 1:
-                raise ValueError(
-                    "an MTP head with fused base features is not supported with tensor "
-                    "parallelism yet"
-                )
             self.mtp_head = mtp_head.to(device=self.device, dtype=self.dtype).eval()
-            if mtp_head.feature_layers:  # the target's forward computes what it drafts from
+            # The target's forward computes what such a head drafts from (with tensor
+            # parallelism on every rank: the residual stream is whole, the projection too).
+            if mtp_head.feature_layers:
                 self.model.attach_draft_features(mtp_head.feature_layers, mtp_head.fuse_features)
         if world_size > 1:
             shard_model(self.model, rank, world_size, model_name=files.path)

@@ -112,12 +112,12 @@ def test_a_head_with_fused_features_drafts_in_graphs_as_eagerly(tmp_path):
     what the eager forward's do; outputs stay the eager engine's."""
     from tandem.models.loader import ModelFiles, load_model
     from tandem.models.mtp import load_mtp_head, save_head
-    from tests.unit.mtp_head_helpers import head_with_features
+    from tests.unit.mtp_head_helpers import head_with_features, without_features
 
     files = ModelFiles(_model())
     base = load_model(files, 512, torch.float32, torch.device("cpu"))
     last = files.arch.num_layers - 1
-    shipped = load_mtp_head(None, files, base.rotary)
+    shipped = without_features(load_mtp_head(None, files, base.rotary), base.rotary)
     # Small random low and middle blocks: they steer some drafts, most stay accepted.
     head = head_with_features(base, shipped, (1, last // 2, last), low_scale=0.01)
     save_head(head, str(tmp_path), files.path, dtype=torch.float32)

@@ -1,5 +1,6 @@
 """An MTP head that drafts from fused base features (EAGLE-3's low, middle and high layers;
-``MTPHead.feature_layers``), fp32 on the CPU, the default model and its shipped head.
+``MTPHead.feature_layers``), fp32 on the CPU, the default model and its shipped head's layer
+(as a head without features; the shipped head has them).
 
 A projection added by ``add_feature_projection`` starts as the head it was (training loss and
 agreements equal); the engine computes the features in the target's forward and drafts from
@@ -16,7 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.models.loader import ModelFiles, default_model_path, load_model
 from tandem.models.mtp import head_feature_layers, load_mtp_head, save_head
 from tandem.train.mtp_distill import distill_loss
-from tests.unit.mtp_head_helpers import head_with_features
+from tests.unit.mtp_head_helpers import head_with_features, without_features
 
 pytestmark = pytest.mark.slow  # four engines on the default model
 
@@ -29,9 +30,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def base_and_head():
+    """The base model and the shipped head's layer as a head without fused features."""
     files = ModelFiles(default_model_path())
     base = load_model(files, 512, torch.float32, torch.device("cpu"))
-    return files, base, load_mtp_head(None, files, base.rotary)
+    return files, base, without_features(load_mtp_head(None, files, base.rotary), base.rotary)
 
 
 def _with_features(base, head, randomize_low: bool):
@@ -66,15 +68,17 @@ def _run(**options) -> tuple[list[list[int]], int, int]:
 
 def test_the_engine_drafts_from_the_fused_features(base_and_head, tmp_path):
     files, base, head = base_and_head
-    directories = {}
+    directories = {"none": str(tmp_path / "none")}
+    save_head(head, directories["none"], files.path, dtype=torch.float32)
     for name, randomize_low in (("same", False), ("random", True)):
         directories[name] = str(tmp_path / name)
         fused = _with_features(base, head, randomize_low)
         save_head(fused, directories[name], files.path, dtype=torch.float32)
     assert head_feature_layers(directories["same"]) == FEATURES
+    assert head_feature_layers(directories["none"]) == ()
     plain, _, _ = _run()
     mtp = {"speculative": "mtp", "num_speculative_tokens": 3}
-    shipped = _run(**mtp)
+    shipped = _run(**mtp, speculative_model=directories["none"])
     same = _run(**mtp, speculative_model=directories["same"])
     random = _run(**mtp, speculative_model=directories["random"])
     for tokens, _, drafts in (shipped, same, random):

@@ -101,12 +101,15 @@ def _run_ranks(task, device: str = "cpu") -> dict:
             process.join()
 
 
-def _generate_per_engine(tokenizer: str, rank: int, device: str = "cpu") -> dict:
-    """Each engine of ENGINES at tensor_parallel_size 2: its outputs and drafts verified."""
+def _generate_per_engine(
+    tokenizer: str, rank: int, device: str = "cpu", engines: dict | None = None
+) -> dict:
+    """Each engine of ``engines`` (default ENGINES) at tensor_parallel_size 2: its outputs
+    and drafts verified."""
     outputs = {}
     if device == "cuda":
         device = f"cuda:{rank}"
-    for name, options in ENGINES.items():
+    for name, options in (engines or ENGINES).items():
         llm = LLM(
             tokenizer=tokenizer, tensor_parallel_size=WORLD_SIZE, device=device, **COMMON, **options
         )
@@ -129,8 +132,30 @@ def tokenizer_dir(tmp_path_factory, llm_cache) -> str:
 
 
 @pytest.fixture(scope="module")
-def tp_outputs(tokenizer_dir) -> dict:
-    return _run_ranks(functools.partial(_generate_per_engine, tokenizer_dir))
+def feature_head_dir(tmp_path_factory) -> str:
+    """A random one-layer head for dummy:tiny that drafts from fused features of both its
+    layers (the projection replicated on every rank, the residual stream whole there)."""
+    from tandem.models.loader import ModelFiles, load_model
+    from tandem.models.mtp import save_head
+    from tests.unit.mtp_head_helpers import head_with_features, random_head
+
+    files = ModelFiles(COMMON["model"])
+    base = load_model(files, 64, torch.float32, torch.device("cpu"))
+    head = head_with_features(base, random_head(files.arch, 1, seed=3), (0, 1), low_scale=0.05)
+    directory = str(tmp_path_factory.mktemp("feature-head"))
+    save_head(head, directory, COMMON["model"], dtype=torch.float32)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engines(feature_head_dir) -> dict:
+    features = {**ENGINES["mtp"], "speculative_model": feature_head_dir}
+    return {**ENGINES, "mtp-features": features}
+
+
+@pytest.fixture(scope="module")
+def tp_outputs(tokenizer_dir, engines) -> dict:
+    return _run_ranks(functools.partial(_generate_per_engine, tokenizer_dir, engines=engines))
 
 
 def _summary(outputs) -> list:
@@ -143,19 +168,19 @@ def _summary(outputs) -> list:
     ]
 
 
-def test_ranks_return_the_same_outputs(tp_outputs):
-    for name in ENGINES:
+def test_ranks_return_the_same_outputs(tp_outputs, engines):
+    for name in engines:
         assert _summary(tp_outputs[0][name][0]) == _summary(tp_outputs[1][name][0]), name
 
 
-@pytest.mark.parametrize("name", list(ENGINES))
-def test_tensor_parallel_greedy_matches_one_process(make_llm, tp_outputs, name):
-    baseline = make_llm(**COMMON, **ENGINES[name]).generate(_prompts(), _greedy())
+@pytest.mark.parametrize("name", [*ENGINES, "mtp-features"])
+def test_tensor_parallel_greedy_matches_one_process(make_llm, tp_outputs, engines, name):
+    baseline = make_llm(**COMMON, **engines[name]).generate(_prompts(), _greedy())
     outputs, num_drafts = tp_outputs[0][name]
     references = [reference_from_output(o.outputs[0]) for o in baseline]
     problems, _ = tie_rule_mismatches(outputs, references, TOLERANCE)
     assert not problems, problems
-    if name == "mtp":
+    if name != "plain":
         assert num_drafts > 0, "no drafts were verified"
 
 

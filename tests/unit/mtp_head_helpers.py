@@ -112,3 +112,10 @@ def head_with_features(base: LlamaModel, head: MTPHead, layers, low_scale: float
         with torch.no_grad():
             low.copy_(low_scale * torch.randn(low.shape, generator=generator).to(low.dtype))
     return fused
+
+
+def without_features(head: MTPHead, rotary: RotaryEmbedding) -> MTPHead:
+    """``head``'s layers as a head that drafts from the target's final hidden state."""
+    plain = MTPHead(head.arch, head.num_layers, rotary)
+    plain.layers.load_state_dict(head.layers.state_dict())
+    return plain
