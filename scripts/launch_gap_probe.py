@@ -52,28 +52,36 @@ def _time_gemm(kind, pairs, rows=4, width=576, block=1024):
     weights = [eye.clone() for _ in range(pairs)]  # distinct copies: streamed, not cached
     x = torch.zeros(rows, width, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
+    median = _replay_median(lambda: _gemm_chain(kind, x, y, weights, block), x.zero_, pairs)
+    correct = bool((x == pairs).all().item())
+    return {"kind": kind, "us_per_pair": median, "sum_correct": correct}
+
+
+def _replay_median(chain, reset, count: int) -> float:
+    """``chain()`` captured in a CUDA graph (after a warm-up on a side stream): the median
+    of five replays, each after ``reset()``, in us per one of its ``count`` launches; then
+    one more replay after ``reset()``, for the caller to check what it computed."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _gemm_chain(kind, x, y, weights, block)
+        chain()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _gemm_chain(kind, x, y, weights, block)
+        chain()
     times = []
     for _ in range(5):
-        x.zero_()
+        reset()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / pairs)
-    x.zero_()
+        times.append(start.elapsed_time(end) * 1000 / count)
+    reset()
     graph.replay()
     torch.cuda.synchronize()
-    correct = bool((x == pairs).all().item())
-    return {"kind": kind, "us_per_pair": statistics.median(times), "sum_correct": correct}
+    return statistics.median(times)
 
 
 def _chain(kind, buffers, count, block):
@@ -88,33 +96,11 @@ def _chain(kind, buffers, count, block):
             _add_one[(triton.cdiv(n, block),)](src, dst, n, PDL=pdl, BLOCK=block, **extra)
 
 
-def _time(kind, count, size, block=1024, replays=50):
+def _time(kind, count, size, block=1024):
     buffers = [torch.zeros(size, device="cuda") for _ in range(2)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _chain(kind, buffers, count, block)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _chain(kind, buffers, count, block)
-    times = []
-    for _ in range(5):
-        buffers[0].zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / count)
-    buffers[0].zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    median = _replay_median(lambda: _chain(kind, buffers, count, block), buffers[0].zero_, count)
     correct = bool((buffers[count % 2] == count).all().item())
-    for _ in range(replays):  # steady state: many replays back to back
-        graph.replay()
-    torch.cuda.synchronize()
-    return {"kind": kind, "us_per_kernel": statistics.median(times), "sum_correct": correct}
+    return {"kind": kind, "us_per_kernel": median, "sum_correct": correct}
 
 
 def main() -> None:
