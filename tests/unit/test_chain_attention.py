@@ -110,3 +110,30 @@ def test_a_cold_teacher_makes_the_loss_the_cross_entropy_of_the_base_s_first_cho
     assert not torch.allclose(cold, plain, atol=1e-2)
     with pytest.raises(ValueError, match="teacher_temperature"):
         distill_loss(head, model, tokens, teacher_temperature=0.0)
+
+
+def test_train_mtp_gives_a_head_fused_features_and_keeps_them(tmp_path):
+    """``--feature-layers``: the saved head records them and trains its projection (the low
+    layer's block leaves zero); a continued head keeps them; a list that does not end with
+    the base's last layer is refused."""
+    from tandem.models.loader import ModelFiles, load_model
+    from tandem.models.mtp import head_feature_layers, load_mtp_head
+    from tandem.train.mtp_distill import TrainConfig, train_mtp
+
+    tokens = torch.randint(0, 500, (8, 16), generator=torch.Generator().manual_seed(1))
+    config = TrainConfig(steps=3, batch_size=2, seq_len=16, eval_every=3, feature_layers=(0, 1))
+    first = str(tmp_path / "first")
+    head, _ = train_mtp("dummy:tiny", tokens, tokens[:2], config, out_dir=first, progress=False)
+    assert head_feature_layers(first) == (0, 1)
+    hidden = head.arch.hidden_size
+    assert head.feature_proj.weight[:, :hidden].abs().sum() > 0  # trained from zero
+    files = ModelFiles("dummy:tiny")
+    loaded = load_mtp_head(first, files, load_model(files, 32, torch.float32, "cpu").rotary)
+    saved = head.feature_proj.weight.detach().to(torch.bfloat16).float()  # kept in bf16
+    assert torch.equal(loaded.feature_proj.weight, saved)
+    then = TrainConfig(steps=1, batch_size=2, seq_len=16, eval_every=1, init_head=first)
+    continued, _ = train_mtp("dummy:tiny", tokens, tokens[:2], then, progress=False)
+    assert continued.feature_layers == (0, 1)
+    wrong = TrainConfig(steps=1, batch_size=2, seq_len=16, feature_layers=(0,))
+    with pytest.raises(ValueError, match="last layer"):
+        train_mtp("dummy:tiny", tokens, tokens[:2], wrong, progress=False)
