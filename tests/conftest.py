@@ -20,7 +20,7 @@ from tandem import LLM
 # The helper modules beside the tests (imported by name: pytest puts a test's folder on
 # sys.path) get pytest's assert rewriting too, so their failed asserts show their values.
 pytest.register_assert_rewrite(
-    "mtp_head_helpers", "scheduler_driver", "server_helpers", "rejection_stats"
+    "mtp_head_helpers", "scheduler_driver", "server_helpers", "rejection_stats", "pd_steps"
 )
 
 

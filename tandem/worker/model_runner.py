@@ -30,6 +30,7 @@ from tandem.worker.input_batch import StepInputs
 from tandem.worker.ragged_graphs import RaggedBatch, RaggedGraphRunner
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
+from tandem.worker.spec_decode.hidden_cache import HiddenCache
 from tandem.worker.spec_decode.oracle_proposer import OracleProposer
 from tandem.worker.spec_decode.proposer import MTPProposer
 
@@ -44,9 +45,9 @@ def kv_cache_bytes_per_block(
     """Bytes that one KV block takes over all layers (keys and values), MTP layers too, and
     a head of several MTP layers' hidden states between them (``MTPProposer``)."""
     element = torch.empty((), dtype=dtype).element_size()
-    layers = arch.num_layers + num_extra_layers
-    hidden = max(num_extra_layers - 1, 0) * block_size * arch.hidden_size * element
-    return 2 * layers * block_size * arch.num_kv_heads * arch.head_dim * element + hidden
+    hidden = HiddenCache.num_tensors(arch.hidden_size, arch.num_kv_heads, arch.head_dim)
+    layers = arch.num_layers + num_extra_layers + max(num_extra_layers - 1, 0) * hidden
+    return 2 * layers * block_size * arch.num_kv_heads * arch.head_dim * element
 
 
 def on_runner_device(method):
@@ -88,12 +89,6 @@ class ModelRunner:
         self.mtp_head = None
         if use_mtp:
             mtp_head = load_mtp_head(mtp_source, files, self.model.rotary, config.seed)
-            if mtp_head.num_layers > 1 and config.disagg.role != "mixed":
-                # Its hidden caches (MTPProposer) do not travel with the KV.
-                raise ValueError(
-                    f"PD role {config.disagg.role!r}: an MTP head of {mtp_head.num_layers} "
-                    "layers is not supported there yet (one layer is)"
-                )
             self.mtp_head = mtp_head.to(device=self.device, dtype=self.dtype).eval()
             # The target's forward computes what such a head drafts from (with tensor
             # parallelism on every rank: the residual stream is whole, the projection too).
@@ -142,9 +137,8 @@ class ModelRunner:
                 torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
                 for _ in range(self.mtp_head.num_layers)
             ]
-            hidden_shape = (num_blocks + 1, self.block_size, self.arch.hidden_size)
             hidden_caches = [
-                torch.zeros(hidden_shape, dtype=self.dtype, device=self.device)
+                HiddenCache(cache_shape, self.arch.hidden_size, self.dtype, self.device)
                 for _ in range(self.mtp_head.num_layers - 1)
             ]
             self.proposer = MTPProposer(
@@ -197,8 +191,12 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def kv_caches_with_mtp(self) -> list[torch.Tensor]:
-        """Every layer's KV cache: the target's, then the MTP head's (what PD hands over)."""
-        return self.kv_caches + (self.proposer.kv_caches if self.proposer is not None else [])
+        """Every layer's KV cache: the target's, then the MTP head's, then a head of several
+        layers' hidden caches (``HiddenCache``: KV-shaped): what PD hands over."""
+        if self.proposer is None:
+            return list(self.kv_caches)
+        hidden = getattr(self.proposer, "hidden_caches", [])
+        return self.kv_caches + self.proposer.kv_caches + [t for c in hidden for t in c.tensors]
 
     @property
     def token_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ the same head over the full sequence, written here from the definition: layer 0 
 target's hidden states, layer 1 over layer 0's shifted outputs, then the draft chain (depth
 1 on layer 1, depth 2 repeating it); the steps resolved on the device draft the same.
 Greedy outputs equal plain decoding (lossless); the training loss runs the same layout; PD
-roles refuse such a head."""
+hands the hidden caches over with the KV."""
 
 from __future__ import annotations
 
@@ -185,13 +185,45 @@ def test_training_runs_the_same_layout():
     assert head.layers[1].eh_proj.weight.grad.abs().sum() > 0  # layer 1 learns
 
 
-def test_pd_roles_refuse_a_head_of_two_layers(head_dir):
-    config = EngineConfig(
-        speculative=SpeculativeConfig("mtp", K, model=head_dir),
-        disagg=DisaggConfig(role="prefill", secret="test-multilayer-secret"),
-    )
-    with pytest.raises(ValueError, match="2 layers"):
-        EngineCore(config)
+def test_pd_hands_the_hidden_caches_over_with_the_kv(head_dir, prompts):
+    """A prefill and a decode instance with the two-layer head report what a mixed instance
+    reports and accept the same drafts: layer 1's first row on the decode side reads layer
+    0's output at the prompt's last position, which the prefill instance wrote and handed
+    over with the KV (``HiddenCache``)."""
+    from pd_steps import assert_no_leak, compare, run, settle, submit
+
+    from tandem.config import CacheConfig
+    from tandem.disagg.kv_connector import LocalKVConnector
+    from tandem.disagg.setup import start_pd_role
+
+    def config(role: str) -> EngineConfig:
+        return EngineConfig(
+            cache=CacheConfig(num_blocks=128),
+            speculative=SpeculativeConfig("mtp", K, model=head_dir),
+            disagg=DisaggConfig(role=role, secret="test-multilayer-secret"),
+        )
+
+    registry: dict = {}
+    mixed, prefill, decode = (EngineCore(config(r)) for r in ("mixed", "prefill", "decode"))
+    try:
+        start_pd_role(prefill, LocalKVConnector(registry, "prefill"))
+        start_pd_role(decode, LocalKVConnector(registry, "decode"))
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+        ids = [f"two-layer-{i}" for i in range(len(prompts))]
+        tokens = [p["prompt_token_ids"] for p in prompts]
+        submit(mixed, ids, tokens, [params] * len(ids), None)
+        want = run([mixed], mixed, set(ids))
+        submit(decode, ids, tokens, [params] * len(ids), prefill.control_address)
+        got = run([prefill, decode], decode, set(ids))
+        compare(got, want)
+        # The decode side verified every draft the mixed instance did, after the handed-over
+        # first ones, and accepted as many.
+        assert decode.scheduler.spec_num_accepted_tokens == mixed.scheduler.spec_num_accepted_tokens
+        settle([prefill, decode])
+        assert_no_leak(prefill, decode)
+    finally:
+        for core in (mixed, prefill, decode):
+            core.shutdown()
 
 
 def test_sampled_requests_draft_with_both_layers(make_llm, head_dir, prompts):

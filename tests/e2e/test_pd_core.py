@@ -14,6 +14,7 @@ import time
 
 import pytest
 from host_reads import HostReads
+from pd_steps import assert_no_leak, compare, run, settle, submit
 
 from tandem.bench.datasets import load_mtbench
 from tandem.config import CacheConfig, DisaggConfig, EngineConfig, SpeculativeConfig
@@ -28,7 +29,6 @@ pytestmark = pytest.mark.slow  # a prefill/decode pair and a mixed engine core, 
 
 MAX_TOKENS = 16
 NUM_BLOCKS = 256
-LOGPROB_TOLERANCE = 1e-4
 SECRET = "test-pd-core-shared-secret"
 
 
@@ -74,80 +74,6 @@ def _params(tokenizer, **kwargs) -> SamplingParams:
     return SamplingParams(eos_token_ids=frozenset(tokenizer.end_token_ids), **kwargs)
 
 
-def _run(
-    engines: list[EngineCore], watch: EngineCore, ids: set[str], deadline_s: float = 120.0
-) -> dict[str, dict]:
-    """Step every engine until ``watch`` has finished ``ids``; the updates it reported."""
-    results = {
-        i: {
-            "tokens": [],
-            "logprobs": [],
-            "prompt_logprobs": [],
-            "finish": None,
-            "stop": None,
-            "error": None,
-        }
-        for i in ids
-    }
-    start = time.monotonic()
-    while any(r["finish"] is None for r in results.values()):
-        assert time.monotonic() - start < deadline_s, "requests did not finish in time"
-        for engine in engines:
-            updates = engine.step()
-            if engine is not watch:
-                continue
-            for update in updates:
-                result = results.get(update.request_id)
-                if result is None:
-                    continue
-                result["tokens"] += update.new_token_ids
-                result["logprobs"] += update.new_logprobs
-                result["prompt_logprobs"] += update.new_prompt_logprobs
-                if update.finish_reason is not None:
-                    result.update(
-                        finish=update.finish_reason, stop=update.stop_reason, error=update.error
-                    )
-    return results
-
-
-def _settle(engines: list[EngineCore], seconds: float = 0.0) -> None:
-    """Step until no engine has work left (held blocks released)."""
-    end = time.monotonic() + 60 + seconds
-    while any(e.has_unfinished_requests() for e in engines):
-        assert time.monotonic() < end, "engines did not settle"
-        for engine in engines:
-            engine.step()
-
-
-def _assert_no_leak(*engines: EngineCore) -> None:
-    for engine in engines:
-        assert not engine.has_unfinished_requests()
-        assert engine.block_manager.num_free_blocks == engine.num_blocks, engine.config.disagg
-        assert not engine.scheduler.held
-
-
-def _submit(engine: EngineCore, ids: list[str], prompts, params, remote: str | None):
-    for request_id, prompt, param in zip(ids, prompts, params, strict=True):
-        request = Request(request_id, list(prompt), param)
-        request.remote_prefill = remote
-        engine.add_request(request)
-
-
-def _compare(got: dict, want: dict) -> None:
-    for request_id, w in want.items():
-        g = got[request_id]
-        assert g["tokens"] == w["tokens"], request_id
-        assert (g["finish"], g["stop"], g["error"]) == (w["finish"], w["stop"], None)
-        for kind in ("logprobs", "prompt_logprobs"):
-            assert len(g[kind]) == len(w[kind])
-            for (gt, glp, grank, gtop), (wt, wlp, wrank, wtop) in zip(
-                g[kind], w[kind], strict=True
-            ):
-                assert (gt, grank) == (wt, wrank)
-                assert abs(glp - wlp) <= LOGPROB_TOLERANCE
-                assert [t for t, _ in gtop] == [t for t, _ in wtop]
-
-
 # Logit bias, penalties and structured output (the prefill instance's first token adjusted
 # and constrained too: a repetition penalty over the prompt changes it, a grammar fixes it).
 ADJUSTED = [
@@ -184,12 +110,12 @@ def test_invariant_lossless_decode_instance_reports_what_a_mixed_instance_report
             for i in range(16)
         ]
     ids = [f"{sampling}-{i}" for i in range(16)]
-    _submit(mixed, ids, prompts, params, None)
-    want = _run([mixed], mixed, set(ids))
+    submit(mixed, ids, prompts, params, None)
+    want = run([mixed], mixed, set(ids))
     drafts_before = decode.scheduler.spec_num_drafts
-    _submit(decode, ids, prompts, params, prefill.control_address)
-    got = _run([prefill, decode], decode, set(ids))
-    _compare(got, want)
+    submit(decode, ids, prompts, params, prefill.control_address)
+    got = run([prefill, decode], decode, set(ids))
+    compare(got, want)
     if decode.runner.proposer is not None:  # each first step verified handed-over drafts
         assert decode.scheduler.spec_num_drafts - drafts_before >= len(ids)
     assert all(len(got[i]["logprobs"]) == len(got[i]["tokens"]) for i in ids)
@@ -197,8 +123,8 @@ def test_invariant_lossless_decode_instance_reports_what_a_mixed_instance_report
         assert all(
             len(got[i]["prompt_logprobs"]) == len(p) - 1 for i, p in zip(ids, prompts, strict=True)
         )
-    _settle([prefill, decode])
-    _assert_no_leak(prefill, decode)
+    settle([prefill, decode])
+    assert_no_leak(prefill, decode)
 
 
 def test_invariant_one_wait_per_step_on_both_instances(cores, prompts, tokenizer, monkeypatch):
@@ -217,8 +143,8 @@ def test_invariant_one_wait_per_step_on_both_instances(cores, prompts, tokenizer
     ]
     ids = [f"one-wait-{i}" for i in range(8)]
     resolved_before = decode.pipeline.num_resolved_steps
-    _submit(decode, ids, prompts[:8], params, prefill.control_address)
-    got = _run([prefill, decode], decode, set(ids))
+    submit(decode, ids, prompts[:8], params, prefill.control_address)
+    got = run([prefill, decode], decode, set(ids))
     if decode.runner.proposer is not None:  # handed-over slots let decode steps resolve
         assert decode.pipeline.num_resolved_steps > resolved_before
     assert all(r["error"] is None and len(r["tokens"]) == 8 for r in got.values()), got
@@ -226,31 +152,29 @@ def test_invariant_one_wait_per_step_on_both_instances(cores, prompts, tokenizer
     assert max(reads.waits) <= 1, f"an engine step waited {max(reads.waits)} times"
     assert not reads.stray, f"host reads outside the one wait per step: {dict(reads.stray)}"
     monkeypatch.undo()
-    _settle([prefill, decode])
-    _assert_no_leak(prefill, decode)
+    settle([prefill, decode])
+    assert_no_leak(prefill, decode)
 
 
 def test_first_token_ends_the_request_on_the_decode_side(cores, prompts, tokenizer):
     """EOS as the first token (a stop token id holding the token the model produces
     first), max_tokens = 1: the decode side finishes at once, with that token's logprobs."""
     mixed, prefill, decode = cores
-    _submit(
-        mixed, ["probe"], prompts[:1], [_params(tokenizer, temperature=0.0, max_tokens=1)], None
-    )
-    first = _run([mixed], mixed, {"probe"})["probe"]["tokens"][0]
+    submit(mixed, ["probe"], prompts[:1], [_params(tokenizer, temperature=0.0, max_tokens=1)], None)
+    first = run([mixed], mixed, {"probe"})["probe"]["tokens"][0]
     cases = {
         "eos-first": _params(tokenizer, temperature=0.0, stop_token_ids=[first], logprobs=1),
         "one-token": _params(tokenizer, temperature=0.0, max_tokens=1, logprobs=1),
     }
-    _submit(decode, list(cases), prompts[:1] * 2, list(cases.values()), prefill.control_address)
-    got = _run([prefill, decode], decode, set(cases))
+    submit(decode, list(cases), prompts[:1] * 2, list(cases.values()), prefill.control_address)
+    got = run([prefill, decode], decode, set(cases))
     assert got["eos-first"]["tokens"] == [first]
     assert (got["eos-first"]["finish"], got["eos-first"]["stop"]) == ("stop", first)
     assert got["one-token"]["tokens"] == [first] and got["one-token"]["finish"] == "length"
     for result in got.values():
         assert len(result["logprobs"]) == 1 and result["logprobs"][0][0] == first
-    _settle([prefill, decode])
-    _assert_no_leak(prefill, decode)
+    settle([prefill, decode])
+    assert_no_leak(prefill, decode)
 
 
 def test_invariant_no_hang_silent_prefill_instance_times_out_with_an_error(
@@ -264,25 +188,25 @@ def test_invariant_no_hang_silent_prefill_instance_times_out_with_an_error(
     _, prefill, decode = cores
     decode.pd.timeout_s = 2.0
     start = time.monotonic()
-    _submit(
+    submit(
         decode,
         ["silent"],
         prompts[:1],
         [_params(tokenizer, temperature=0.0)],
         prefill.control_address,
     )
-    result = _run([decode], decode, {"silent"})["silent"]
+    result = run([decode], decode, {"silent"})["silent"]
     elapsed = time.monotonic() - start
     assert result["finish"] == "error" and "within 2 s" in result["error"]
     assert 2.0 <= elapsed < 4.0
     assert decode.block_manager.num_free_blocks < decode.num_blocks  # held, not reused
-    _settle([decode])
+    settle([decode])
     assert time.monotonic() - start >= 4.0
     decode.pd.timeout_s = 30.0
     # The prefill instance now receives the stale request and the cancel: it must not
     # leak either.
-    _settle([prefill, decode])
-    _assert_no_leak(prefill, decode)
+    settle([prefill, decode])
+    assert_no_leak(prefill, decode)
 
 
 def test_invariant_block_accounting_unreachable_prefill_and_aborts_leak_nothing(
@@ -290,12 +214,12 @@ def test_invariant_block_accounting_unreachable_prefill_and_aborts_leak_nothing(
 ):
     _, prefill, decode = cores
     params = [_params(tokenizer, temperature=0.0)] * 3
-    _submit(decode, ["abort-a", "abort-b", "abort-c"], prompts[:3], params, prefill.control_address)
+    submit(decode, ["abort-a", "abort-b", "abort-c"], prompts[:3], params, prefill.control_address)
     decode.step()  # asks the prefill instance for all three
     decode.abort_request("abort-a")  # before any KV arrived
-    _run([prefill, decode], decode, {"abort-b", "abort-c"})
-    _settle([prefill, decode])
-    _assert_no_leak(prefill, decode)
+    run([prefill, decode], decode, {"abort-b", "abort-c"})
+    settle([prefill, decode])
+    assert_no_leak(prefill, decode)
 
 
 def test_a_mixed_instance_refuses_remote_prefill(cores, prompts, tokenizer):

@@ -21,6 +21,7 @@ from tandem.models.mtp import MTPHead
 from tandem.sampling_params import SamplingParams
 from tandem.worker.spec_decode.draft_graphs import draft_chain
 from tandem.worker.spec_decode.draft_sampling import DraftSampling, draft_tokens
+from tandem.worker.spec_decode.hidden_cache import HiddenCache
 from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows, table_blocks
 from tandem.worker.step_sampler import sampling_batch
 
@@ -61,14 +62,14 @@ class MTPProposer:
         backend: AttentionBackend,
         block_size: int,
         device: torch.device,
-        hidden_caches: list[torch.Tensor] | None = None,
+        hidden_caches: list[HiddenCache] | None = None,
     ):
         self.head, self.model, self.kv_caches = head, model, kv_caches
         self.backend, self.block_size, self.device = backend, block_size, device
         self.graphs = None  # a DraftGraphRunner for depths >= 1 of greedy batches (CUDA)
         # A head of several layers: layer L's output at every position, paged as the KV
-        # cache ([blocks, block_size, hidden], one per layer but the last), which layer L + 1
-        # reads one position later (``stream_later_layers``).
+        # cache (``HiddenCache``, one per layer but the last), which layer L + 1 reads one
+        # position later (``stream_later_layers``).
         self.hidden_caches = hidden_caches or []
 
     def _slot(self, block_ids: list[int], position: int) -> int:
@@ -125,9 +126,9 @@ class MTPProposer:
         gather = previous_slots.clamp(min=0)
         outputs = first
         for index in range(1, self.head.num_layers):
-            cache = self.hidden_caches[index - 1].view(-1, outputs.shape[-1])
-            cache.index_copy_(0, slot_ids, outputs.to(cache.dtype))
-            inputs = cache.index_select(0, gather) * known.to(cache.dtype)
+            cache = self.hidden_caches[index - 1]
+            cache.write(slot_ids, outputs)
+            inputs = cache.read(gather) * known.to(outputs.dtype)
             outputs = self.head.layers[index](
                 positions, embeds, inputs, self.kv_caches[index], metadata, self.backend
             )
@@ -149,7 +150,7 @@ class MTPProposer:
         previous = (rows.positions - 1).view(batch, -1)
         clamped = previous.clamp(min=0)
         # Past a table's width: the scratch block (the caches' last), as verify_rows does.
-        scratch = self.hidden_caches[0].shape[0] - 1
+        scratch = self.hidden_caches[0].scratch_block
         blocks = table_blocks(block_tables[:batch], clamped // self.block_size, scratch)
         previous_slots = torch.where(
             previous >= 0, blocks * self.block_size + clamped % self.block_size, -1
