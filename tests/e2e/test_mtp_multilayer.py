@@ -185,16 +185,33 @@ def test_training_runs_the_same_layout():
     assert head.layers[1].eh_proj.weight.grad.abs().sum() > 0  # layer 1 learns
 
 
-def test_pd_hands_the_hidden_caches_over_with_the_kv(head_dir, prompts):
+def test_pd_hands_the_hidden_caches_over_with_the_kv(head_dir, prompts, monkeypatch):
     """A prefill and a decode instance with the two-layer head report what a mixed instance
-    reports and accept the same drafts: layer 1's first row on the decode side reads layer
-    0's output at the prompt's last position, which the prefill instance wrote and handed
-    over with the KV (``HiddenCache``)."""
+    reports and accept the same drafts; layer 1's row at each prompt's end reads layer 0's
+    output at the prompt's last position, on the decode side the one the prefill instance
+    wrote and handed over with the KV (``HiddenCache``), equal to the mixed instance's."""
     from pd_steps import assert_no_leak, compare, run, settle, submit
 
     from tandem.config import CacheConfig
     from tandem.disagg.kv_connector import LocalKVConnector
     from tandem.disagg.setup import start_pd_role
+    from tandem.worker.spec_decode.proposer import MTPProposer
+
+    ends = {len(p["prompt_token_ids"]) for p in prompts}
+    assert len(ends) == len(prompts)  # a prompt's end names its request
+    read_at_end: dict[int, dict[int, torch.Tensor]] = {}  # proposer id -> position -> input
+    stream = MTPProposer.stream_later_layers
+
+    def recording(self, first, positions, embeds, slot_ids, previous_slots, metadata):
+        stored = self.hidden_caches[0].read(previous_slots.clamp(min=0))  # before this write
+        # Rows whose previous position an earlier step wrote (not a prompt's inner rows).
+        earlier = (~torch.isin(previous_slots, slot_ids)).tolist()
+        for row, position in enumerate(positions.tolist()):
+            if position in ends and earlier[row]:
+                read_at_end.setdefault(id(self), {}).setdefault(position, stored[row].clone())
+        return stream(self, first, positions, embeds, slot_ids, previous_slots, metadata)
+
+    monkeypatch.setattr(MTPProposer, "stream_later_layers", recording)
 
     def config(role: str) -> EngineConfig:
         return EngineConfig(
@@ -219,6 +236,14 @@ def test_pd_hands_the_hidden_caches_over_with_the_kv(head_dir, prompts):
         # The decode side verified every draft the mixed instance did, after the handed-over
         # first ones, and accepted as many.
         assert decode.scheduler.spec_num_accepted_tokens == mixed.scheduler.spec_num_accepted_tokens
+        mixed_reads = read_at_end[id(mixed.runner.proposer)]
+        decode_reads = read_at_end[id(decode.runner.proposer)]
+        assert set(decode_reads) == set(mixed_reads) == ends
+        for position in ends:
+            assert decode_reads[position].abs().sum() > 0
+            torch.testing.assert_close(
+                decode_reads[position], mixed_reads[position], rtol=1e-4, atol=1e-4
+            )
         settle([prefill, decode])
         assert_no_leak(prefill, decode)
     finally:
