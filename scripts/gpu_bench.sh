@@ -16,7 +16,8 @@
 #               then STEADY_REQUESTS (default 512, 8x the largest batch; 0: none) ShareGPT
 #               requests at once at the largest batch size, outputs of the dataset's
 #               lengths capped at STEADY_MAX_TOKENS (default 256); every request at
-#               TEMPERATURE (default 0: greedy) and TOP_P (default 1). With ORACLE set (rates,
+#               TEMPERATURE (default 0: greedy) and TOP_P (default 1); HEAD names an MTP head
+#               directory (default the model's). With ORACLE set (rates,
 #               e.g. 0.19,0.456: expected acceptance lengths 3.0 and 2.0 at k = 3; 0: 4.0)
 #               a second run on ORACLE_MODEL (default dummy:llama3-8b-peaked: random
 #               weights whose greedy choices are not near-ties; no trained head):
@@ -79,7 +80,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       rows="$rows --temperature ${TEMPERATURE:-0} --top-p ${TOP_P:-1}"
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
         --batch-sizes "${BATCH_SIZES:-1,8,64}" --max-tokens "${MAX_TOKENS:-128}" \
-        --modes "${MODES:-plain,overlap,mtp,mtp+overlap}" $rows \
+        --modes "${MODES:-plain,overlap,mtp,mtp+overlap}" $rows ${HEAD:+--speculative-model "$HEAD"} \
         --steady-state-requests "${STEADY_REQUESTS:-512}" \
         --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn \
         || status_all=$?
