@@ -168,22 +168,23 @@ class LlamaModel(nn.Module):
 
     def forward_states(self, input_ids, positions, kv_caches, metadata, backend, layers=()):
         """Final-normed hidden states and the residual stream after each of ``layers``
-        (indices of decoder layers, in order)."""
+        (increasing indices of decoder layers; the last layer's is the final norm's sum)."""
         hidden = self.embed_tokens(input_ids)
         residual = None  # every residual add happens inside a norm's kernel
         states = []
+        last = len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden, residual = layer(positions, hidden, kv_cache, metadata, backend, residual)
-            if index in layers:
+            if index in layers and index != last:
                 states.append(hidden + residual)
-        return self.norm(hidden, residual=residual)[0], states
+        normed, summed = self.norm(hidden, residual=residual)
+        return normed, (states + [summed] if last in layers else states)
 
     def attach_draft_features(self, layers: tuple[int, ...], fuse) -> None:
         """Make ``forward`` also return ``fuse(states)`` of the residual stream after
-        ``layers``: the input an MTP head with fused base features drafts from
-        (``MTPHead.feature_layers``, EAGLE-3's low, middle and high layers)."""
-        if any(not 0 <= index < len(self.layers) for index in layers):
-            raise ValueError(f"feature layers {list(layers)} outside 0..{len(self.layers) - 1}")
+        ``layers`` (checked where the head loads): the input an MTP head with fused base
+        features drafts from (``MTPHead.feature_layers``, EAGLE-3's low, middle and high
+        layers)."""
         self.draft_features = (tuple(layers), fuse)
 
     def fuse_gate_up(self) -> None:

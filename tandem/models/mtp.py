@@ -111,9 +111,13 @@ class MTPHead(nn.Module):
     def add_feature_projection(self, layers: tuple[int, ...], final_norm_weight) -> None:
         """Give a head without features a projection of ``layers`` that starts as the head it
         was: the last layer's block the target's final norm weight (the layer's own hnorm
-        makes the scale moot), the others zero. ``layers`` must end with the last layer."""
+        makes the scale moot), the others zero. ``layers`` must end with the target's last
+        layer (the state the head took until now)."""
         if self.feature_proj is not None:
             raise ValueError("the head already takes fused features")
+        last = self.arch.num_layers - 1
+        if not layers or layers[-1] != last:
+            raise ValueError(f"feature layers must end with the base's last layer, {last}")
         size = self.arch.hidden_size
         projection = nn.Linear(len(layers) * size, size, bias=False)
         with torch.no_grad():

@@ -186,9 +186,6 @@ def train_mtp(
         head = random_head(files.arch, config.num_layers, base.rotary, config.seed).to(device)
         _init_head_from_base(head, base)
     if config.feature_layers and head.feature_layers != tuple(config.feature_layers):
-        last = len(base.layers) - 1
-        if config.feature_layers[-1] != last:
-            raise ValueError(f"feature layers must end with the base's last layer, {last}")
         head.add_feature_projection(tuple(config.feature_layers), base.norm.weight)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     history: list[dict] = []

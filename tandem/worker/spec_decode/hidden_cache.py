@@ -22,17 +22,16 @@ class HiddenCache:
         self, kv_shape: tuple[int, ...], hidden_size: int, dtype: torch.dtype, device
     ) -> None:
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_shape
-        self.hidden_size = hidden_size
-        self.piece = num_kv_heads * head_dim
+        piece = num_kv_heads * head_dim
         self.tensors = [
             torch.zeros(kv_shape, dtype=dtype, device=device)
             for _ in range(self.num_tensors(hidden_size, num_kv_heads, head_dim))
         ]
         self.scratch_block = num_blocks - 1  # the cache's last block, as the KV's
         slots = num_blocks * block_size
-        halves = [t.view(2, slots, self.piece)[half] for t in self.tensors for half in (0, 1)]
-        num_pieces = -(-hidden_size // self.piece)
-        widths = [min(self.piece, hidden_size - i * self.piece) for i in range(num_pieces)]
+        halves = [t.view(2, slots, piece)[half] for t in self.tensors for half in (0, 1)]
+        num_pieces = -(-hidden_size // piece)
+        widths = [min(piece, hidden_size - i * piece) for i in range(num_pieces)]
         self._pieces = [half[:, :width] for half, width in zip(halves, widths, strict=False)]
 
     @staticmethod
