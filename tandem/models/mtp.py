@@ -126,6 +126,17 @@ class MTPHead(nn.Module):
         self.feature_layers = tuple(layers)
         self.feature_proj = projection.to(next(self.parameters()).device)
 
+    def grow(self, num_layers: int) -> None:
+        """Add copies of the last layer up to ``num_layers``: each new layer starts as the
+        layer that drafted its depths until now, with KV of its own at every position."""
+        if num_layers < self.num_layers:
+            raise ValueError(f"a head of {self.num_layers} layers cannot grow to {num_layers}")
+        last = self.layers[-1]
+        while self.num_layers < num_layers:
+            layer = MTPLayer(self.arch, last.block.self_attn.rotary)
+            layer.load_state_dict(last.state_dict())
+            self.layers.append(layer.to(last.eh_proj.weight.device, last.eh_proj.weight.dtype))
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

@@ -3,6 +3,8 @@ the records before the benchmarks' held-out ones, and replies the base model wri
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 from tandem.bench.datasets import SHAREGPT_HELD_OUT_FROM, iter_sharegpt
@@ -17,18 +19,57 @@ def pack_sequences(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
     return torch.tensor(flat[: rows * seq_len], dtype=torch.long).view(rows, seq_len)
 
 
+def sharegpt_messages(record: dict) -> list[dict[str, str]]:
+    """A ShareGPT record's human/gpt turns as chat messages (other and empty turns dropped)."""
+    roles = {"human": "user", "gpt": "assistant"}
+    turns = [(roles.get(t.get("from")), t.get("value")) for t in record.get("conversations") or []]
+    return [{"role": r, "content": v} for r, v in turns if r and isinstance(v, str) and v]
+
+
+def training_records(before_record: int = SHAREGPT_HELD_OUT_FROM) -> Iterator[dict]:
+    """The ShareGPT records before ``before_record`` (those from it on are held out)."""
+    for index, record in enumerate(iter_sharegpt()):
+        if index >= before_record:
+            return
+        yield record
+
+
+def later_turn_prompts(
+    tokenizer, records: Iterable[dict], num_prompts: int, max_prompt_tokens: int
+) -> list[list[int]]:
+    """Prompts for the base's replies to users' later turns: for each user turn that follows
+    an assistant reply, the conversation up to it (ending with the assistant header), from
+    the earliest user turn that keeps it within ``max_prompt_tokens``; turns that do not fit
+    with their previous reply are skipped. At most ``num_prompts``, in the records' order."""
+    prompts: list[list[int]] = []
+    for record in records:
+        messages = sharegpt_messages(record)
+        for end, message in enumerate(messages):
+            if len(prompts) >= num_prompts:
+                return prompts
+            if message["role"] != "user" or end < 2 or messages[end - 1]["role"] != "assistant":
+                continue
+            best = None
+            for start in range(end - 2, -1, -1):  # more context as start moves back
+                if messages[start]["role"] != "user":
+                    continue
+                ids = tokenizer.apply_chat_template(messages[start : end + 1])
+                if len(ids) > max_prompt_tokens:
+                    break
+                best = ids
+            if best is not None:
+                prompts.append(best)
+    return prompts
+
+
 def sharegpt_sequences(
     tokenizer, num_conversations: int, max_tokens: int, before_record: int = SHAREGPT_HELD_OUT_FROM
 ) -> list[list[int]]:
     """Chat-templated ShareGPT conversations (human/gpt turns), at most max_tokens each, from
     the records before ``before_record`` (those from it on are the benchmarks' held-out set)."""
-    roles = {"human": "user", "gpt": "assistant"}
     sequences = []
-    for index, record in enumerate(iter_sharegpt()):
-        if index >= before_record:
-            break
-        turns = [(roles.get(t.get("from")), t.get("value")) for t in record["conversations"]]
-        messages = [{"role": r, "content": v} for r, v in turns if r and isinstance(v, str) and v]
+    for record in training_records(before_record):
+        messages = sharegpt_messages(record)
         if len(messages) < 2:
             continue
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)

@@ -49,7 +49,8 @@ class TrainConfig:
     time_budget_s: float | None = None
     # A head directory to continue from (fine-tuning); None starts from the base's last layer.
     init_head: str | None = None
-    # MTP layers of a new head (a continued head keeps its own).
+    # MTP layers of a new head; a continued head with fewer grows to it (its new layers start
+    # as copies of its last), one with more keeps its own.
     num_layers: int = 1
     # Repeated depths attend as a serving draft chain does (chain_attention.py); False trains
     # them with causal attention over their own rows, as heads before it were trained.
@@ -182,6 +183,8 @@ def train_mtp(
     base.requires_grad_(False)
     if config.init_head is not None:
         head = load_mtp_head(config.init_head, files, base.rotary).to(device, torch.float32)
+        if config.num_layers > head.num_layers:
+            head.grow(config.num_layers)
     else:
         head = random_head(files.arch, config.num_layers, base.rotary, config.seed).to(device)
         _init_head_from_base(head, base)
@@ -323,7 +326,12 @@ def add_cli_arguments(parser) -> None:
     parser.add_argument("--data", default=None, help="token data saved by --save-data")
     parser.add_argument("--save-data", default=None, help="save the packed data and exit")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-layers", type=int, default=1, help="MTP layers of a new head")
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=1,
+        help="MTP layers of a new head (a continued head with fewer grows, copying its last)",
+    )
     parser.add_argument(
         "--no-chain-attention",
         dest="chain_attention",

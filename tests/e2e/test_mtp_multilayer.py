@@ -76,7 +76,9 @@ def reference_drafts(model, head, seq: list[int], e: int, drafts: list[int]) -> 
     each depth on the engine's drafts before it; None where the reference is a near-tie."""
     n = e + 1
     caches = [(None, None)] * len(model.layers)
-    target = model(torch.tensor(seq[:n]), torch.arange(n), caches, None, DenseCausalBackend(1, n))
+    device = model.embed_tokens.weight.device  # the engine's (the GPU run's cuda)
+    tokens, positions = torch.tensor(seq[:n], device=device), torch.arange(n, device=device)
+    target = model(tokens, positions, caches, None, DenseCausalBackend(1, n))
     layer0, layer1 = head.layers
     # Layer 0 at every position q <= e: the target's h[q] and the token at q + 1.
     g0 = dense_layer(layer0, list(range(n)), seq[1 : n + 1], target, model)

@@ -87,9 +87,10 @@ def write_checkpoint(directory, architecture: str, shards: dict[str, dict]) -> N
 def dense_layer(layer, positions: list[int], tokens: list[int], hidden, model) -> torch.Tensor:
     """An MTP layer's output over one sequence of rows at ``positions`` (causal, no cache):
     each row on its ``hidden`` input and the embedding of its token in ``tokens``."""
+    device = hidden.device
     return layer(
-        torch.tensor(positions),
-        model.embed_tokens(torch.tensor(tokens)),
+        torch.tensor(positions, device=device),
+        model.embed_tokens(torch.tensor(tokens, device=device)),
         hidden,
         (None, None),
         None,
