@@ -306,10 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     router.set_defaults(handler=_router)
 
     train = commands.add_parser("train-mtp", help="distill an MTP head for a base model")
-    from tandem.train import mtp_distill
+    from tandem.train import mtp_cli
 
-    mtp_distill.add_cli_arguments(train)
-    train.set_defaults(handler=mtp_distill.main_from_args)
+    mtp_cli.add_cli_arguments(train)
+    train.set_defaults(handler=mtp_cli.main_from_args)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

@@ -16,7 +16,7 @@ import os
 from tandem.bench.datasets import SHAREGPT_HELD_OUT_FROM, iter_sharegpt, load_mtbench
 from tandem.bench.results import result_path, write_json
 from tandem.bench.timing import timed_generate
-from tandem.models.mtp import head_training_tokens
+from tandem.models.mtp_files import head_training_tokens
 
 DATASETS = ("mtbench", "sharegpt")
 

@@ -102,7 +102,8 @@ def test_a_head_with_fused_features_drafts_in_graphs_as_eagerly(tmp_path):
     """The features computed inside the target's graphs (``MTPHead.feature_layers``) draft
     what the eager forward's do; outputs stay the eager engine's."""
     from tandem.models.loader import ModelFiles, load_model
-    from tandem.models.mtp import load_mtp_head, save_head
+    from tandem.models.mtp import load_mtp_head
+    from tandem.models.mtp_files import save_head
     from tests.unit.mtp_head_helpers import head_with_features, without_features
 
     files = ModelFiles(_model())

@@ -15,7 +15,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.models.loader import ModelFiles, default_model_path, load_model
-from tandem.models.mtp import head_feature_layers, load_mtp_head, save_head
+from tandem.models.mtp import load_mtp_head
+from tandem.models.mtp_files import head_feature_layers, save_head
 from tandem.train.mtp_distill import distill_loss
 from tests.unit.mtp_head_helpers import head_with_features, without_features
 

@@ -18,7 +18,8 @@ from tandem.config import DisaggConfig, EngineConfig, SpeculativeConfig
 from tandem.core.engine_core import EngineCore
 from tandem.layers.attention import DenseCausalBackend
 from tandem.models.loader import ModelFiles, default_model_path, load_model
-from tandem.models.mtp import MTPHead, load_mtp_head, random_head, save_head
+from tandem.models.mtp import MTPHead, load_mtp_head, random_head
+from tandem.models.mtp_files import save_head
 from tandem.train.mtp_distill import distill_loss
 from tests.unit.mtp_head_helpers import dense_layer
 
@@ -31,14 +32,14 @@ TIE = 1e-4  # a reference draft whose top two logits are closer is not compared
 
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory) -> str:
-    """Two layers, each a copy of the shipped head's trained layer (its first drafts are
-    often accepted), saved in fp32."""
+    """The shipped head's trained layer (its first drafts are often accepted), without its
+    fused features, grown to two layers as ``train-mtp --num-layers 2`` grows it; fp32."""
     files = ModelFiles(default_model_path())
     base = load_model(files, 512, torch.float32, torch.device("cpu"))
     shipped = load_mtp_head(None, files, base.rotary)
-    head = MTPHead(files.arch, 2, base.rotary)
-    for layer in head.layers:
-        layer.load_state_dict(shipped.layers[0].state_dict())
+    head = MTPHead(files.arch, 1, base.rotary)
+    head.layers[0].load_state_dict(shipped.layers[0].state_dict())
+    head.grow(2)
     directory = str(tmp_path_factory.mktemp("two-layer-head"))
     save_head(head, directory, "test", dtype=torch.float32)
     return directory

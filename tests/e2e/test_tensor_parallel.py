@@ -136,7 +136,7 @@ def feature_head_dir(tmp_path_factory) -> str:
     """A random one-layer head for dummy:tiny that drafts from fused features of both its
     layers (the projection replicated on every rank, the residual stream whole there)."""
     from tandem.models.loader import ModelFiles, load_model
-    from tandem.models.mtp import save_head
+    from tandem.models.mtp_files import save_head
     from tests.unit.mtp_head_helpers import head_with_features, random_head
 
     files = ModelFiles(COMMON["model"])

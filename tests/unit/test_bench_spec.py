@@ -13,7 +13,7 @@ import torch
 
 from tandem.bench.datasets import iter_sharegpt
 from tandem.bench.spec import first_turns, run_spec_bench
-from tandem.models.mtp import HEAD_CONFIG_FILE, head_training_tokens
+from tandem.models.mtp_files import HEAD_CONFIG_FILE, head_training_tokens
 from tandem.train.mtp_distill import TrainConfig, train_mtp
 
 SHIPPED_HEAD = str(Path(__file__).resolve().parents[2] / "tandem/heads/smollm2-135m-instruct")

@@ -117,7 +117,8 @@ def test_train_mtp_gives_a_head_fused_features_and_keeps_them(tmp_path):
     layer's block leaves zero); a continued head keeps them; a list that does not end with
     the base's last layer is refused."""
     from tandem.models.loader import ModelFiles, load_model
-    from tandem.models.mtp import head_feature_layers, load_mtp_head
+    from tandem.models.mtp import load_mtp_head
+    from tandem.models.mtp_files import head_feature_layers
     from tandem.train.mtp_distill import TrainConfig, train_mtp
 
     tokens = torch.randint(0, 500, (8, 16), generator=torch.Generator().manual_seed(1))
@@ -137,3 +138,38 @@ def test_train_mtp_gives_a_head_fused_features_and_keeps_them(tmp_path):
     wrong = TrainConfig(steps=1, batch_size=2, seq_len=16, feature_layers=(0,))
     with pytest.raises(ValueError, match="last layer"):
         train_mtp("dummy:tiny", tokens, tokens[:2], wrong, progress=False)
+
+
+def test_train_mtp_grows_a_continued_head_to_more_layers(tmp_path):
+    """``--num-layers`` above a continued head's: the new layer starts as a copy of its last
+    (own parameters, not shared) and trains apart from it; the saved head has both layers
+    and its fused features; a head of more layers keeps them (no shrinking)."""
+    from tandem.models.loader import ModelFiles, load_model
+    from tandem.models.mtp import load_mtp_head
+    from tandem.models.mtp_files import read_head_file
+    from tandem.train.mtp_distill import TrainConfig, train_mtp
+
+    tokens = torch.randint(0, 500, (8, 16), generator=torch.Generator().manual_seed(2))
+    config = TrainConfig(steps=2, batch_size=2, seq_len=16, eval_every=2, feature_layers=(0, 1))
+    first = str(tmp_path / "first")
+    one, _ = train_mtp("dummy:tiny", tokens, tokens[:2], config, out_dir=first, progress=False)
+    files = ModelFiles("dummy:tiny")
+    copied = load_mtp_head(first, files, load_model(files, 32, torch.float32, "cpu").rotary)
+    copied.grow(2)
+    assert copied.num_layers == 2 and copied.feature_layers == (0, 1)
+    new, old = copied.layers[1].state_dict(), copied.layers[0].state_dict()
+    assert all(torch.equal(new[name], old[name]) for name in old)
+    assert copied.layers[1].eh_proj.weight is not copied.layers[0].eh_proj.weight
+    trained = TrainConfig(
+        steps=3, batch_size=2, seq_len=16, eval_every=3, init_head=first, num_layers=2
+    )
+    second = str(tmp_path / "second")
+    two, _ = train_mtp("dummy:tiny", tokens, tokens[:2], trained, out_dir=second, progress=False)
+    assert not torch.equal(two.layers[1].eh_proj.weight, two.layers[0].eh_proj.weight)
+    assert read_head_file(second)[0] == 2
+    kept = TrainConfig(steps=1, batch_size=2, seq_len=16, eval_every=1, init_head=second)
+    assert train_mtp("dummy:tiny", tokens, tokens[:2], kept, progress=False)[0].num_layers == 2
+    with pytest.raises(ValueError, match="cannot grow"):
+        two.grow(1)
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        train_mtp("dummy:tiny", tokens, tokens[:2], TrainConfig(steps=0), progress=False)

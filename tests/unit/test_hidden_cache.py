@@ -45,7 +45,7 @@ def test_the_runner_hands_the_hidden_caches_over_and_sizes_the_cache_for_them(tm
 
     from tandem.config import CacheConfig, EngineConfig, SpeculativeConfig
     from tandem.core.engine_core import EngineCore
-    from tandem.models.mtp import save_head
+    from tandem.models.mtp_files import save_head
     from tandem.worker.model_runner import kv_cache_bytes_per_block
 
     pieces = HiddenCache.num_tensors(TINY.hidden_size, TINY.num_kv_heads, TINY.head_dim)

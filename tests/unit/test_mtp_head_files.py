@@ -21,14 +21,8 @@ from mtp_head_helpers import (
 )
 
 from tandem.models.loader import ModelFiles
-from tandem.models.mtp import (
-    HEAD_CONFIG_FILE,
-    HEAD_WEIGHTS_FILE,
-    MTPHead,
-    load_mtp_head,
-    read_head_file,
-    save_head,
-)
+from tandem.models.mtp import MTPHead, load_mtp_head
+from tandem.models.mtp_files import HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE, read_head_file, save_head
 from tandem.models.registry import ModelArchConfig
 
 # ---- Tandem head files ---------------------------------------------------------------------
