@@ -101,8 +101,24 @@ def _counter_delta(before: dict, after: dict, name: str) -> int:
 
 
 def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
-    """The acceptance numbers between two metric snapshots (none without speculation)."""
-    return acceptance(before, after, k) if k else {}
+    """The acceptance numbers between two metric snapshots (none without speculation); the
+    snapshots carry the step pipeline's counts too (``_snapshot``)."""
+    if not k:
+        return {}
+    names = ("steps_launched_ahead", "steps_prompts_ahead", "steps_parts_after_read")
+    return {**acceptance(before, after, k), **{n: after[n] - before[n] for n in names}}
+
+
+def _snapshot(llm: Any) -> dict:
+    """The engine's metrics and how many MTP steps so far launched rows before the read of
+    the step in front (resolved rows; joining prompts) or had a part that waited for it."""
+    pipeline = llm.engine.pipeline
+    return {
+        **llm.get_metrics(),
+        "steps_launched_ahead": pipeline.num_launched_ahead,
+        "steps_prompts_ahead": pipeline.num_prompts_ahead,
+        "steps_parts_after_read": pipeline.num_parts_after_read,
+    }
 
 
 def fixed_run(
@@ -118,9 +134,9 @@ def fixed_run(
     the outputs are checked against them (``recording_match``)."""
     prompts = mtbench_prompts(llm, batch_size)
     tally = [0, 0]
-    before = llm.get_metrics()
+    before = _snapshot(llm)
     seconds, tokens = _timed(llm, prompts, params, recordings, tally)
-    after = llm.get_metrics()
+    after = _snapshot(llm)
     run: dict = {
         "kind": "fixed",
         "batch_size": batch_size,
@@ -158,7 +174,7 @@ def questions_run(
         raise ValueError(f"num_questions must be >= 1, got {num_questions}")
     questions = load_mtbench()
     prompts = mtbench_prompts(llm, num_questions)
-    first = llm.get_metrics()
+    first = _snapshot(llm)
     per_question = []
     tally = [0, 0]
     for index, prompt in enumerate(prompts):
@@ -174,7 +190,7 @@ def questions_run(
                 "mean_acceptance_length"
             ]
         per_question.append(entry)
-    last = llm.get_metrics()
+    last = _snapshot(llm)
     tokens = sum(entry["output_tokens"] for entry in per_question)
     seconds = sum(entry["seconds"] for entry in per_question)
     run: dict = {
@@ -251,9 +267,9 @@ def steady_run(
     base = sampling if sampling is not None else SamplingParams(temperature=0.0)
     params = [dataclasses.replace(base, ignore_eos=True, max_tokens=r.output_len) for r in requests]
     tally = [0, 0]
-    before = llm.get_metrics()
+    before = _snapshot(llm)
     seconds, tokens = _timed(llm, prompts, params, recordings, tally)
-    after = llm.get_metrics()
+    after = _snapshot(llm)
     num_steps = _counter_delta(before, after, "num_steps")
     return {
         "kind": "steady",

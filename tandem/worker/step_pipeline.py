@@ -9,12 +9,13 @@ the last launched step at the end of a run. The host waits for the device only i
 ``read`` (DESIGN.md invariant 6).
 
 Plain decoding always launches ahead: a decode row's input token is the unread step's
-sample, filled in on the device. With an MTP head a step has up to three parts: the rows
+sample, filled in on the device. With an MTP head a step has up to four parts: the rows
 the device can resolve (``spec_decode/mtp_steps.py``: a row verifies k drafts from its
-request's device slot) are launched ahead as one resolved step that drafts at launch; after
-the step in front is read, the rows it made resolvable go as a second resolved step, and
-the others (a prompt chunk, a near-the-end row) as a ragged step that drafts at
-its own read. The parts are read with one wait. Each part reads the model's weights once:
+request's device slot) are launched ahead as one resolved step that drafts at launch, and
+the prompts of requests joining the batch (nothing in flight is theirs) as a ragged step
+that drafts at its own read; after the step in front is read, the rows it made resolvable
+go as a second resolved step, and the others (a later prompt chunk, a near-the-end row) as
+a ragged step. The parts are read with one wait. Each part reads the model's weights once:
 for a model over ``SPLIT_STEP_MAX_WEIGHT_BYTES`` a step that cannot launch whole ahead goes
 as one part after the read.
 """
@@ -23,19 +24,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
-from tandem.device_copy import DeviceReader, PendingRead, to_device
+from tandem.device_copy import DeviceReader, to_device
 from tandem.layers.sampler import LogprobsTensors, compute_logprobs
 from tandem.step import ModelRunnerOutput, SchedulerOutput
 from tandem.worker.grammars import RowGrammars
-from tandem.worker.input_batch import PLACEHOLDER, InputBatch, RowPlan, StepInputs
+from tandem.worker.input_batch import PLACEHOLDER, InputBatch, StepInputs
+from tandem.worker.launched_step import LaunchedStep
 from tandem.worker.model_runner import ModelRunner, on_runner_device
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.mtp_steps import MTPSteps
-from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
+from tandem.worker.step_sampler import SamplingRow, sample_step
 
 # Splitting an MTP step into parts reads the weights once more per part; below this size
 # that read costs less than the host's wait that launching rows ahead saves (SmolLM2-135M,
@@ -46,25 +47,6 @@ SPLIT_STEP_MAX_WEIGHT_BYTES = 2 * 2**30
 def weight_bytes(module: torch.nn.Module) -> int:
     """The bytes of ``module``'s parameters (on this rank)."""
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose device work is queued and whose results the host has not read yet."""
-
-    inputs: StepInputs
-    sampling_plans: list[RowPlan]
-    sampling_rows: list[SamplingRow]
-    sample: StepSample | None
-    prompt_logprobs: LogprobsTensors | None
-    reads: PendingRead | None  # the step's results on their way to the host
-    hidden: torch.Tensor | None  # the target's hidden states (drafting at the read)
-    output: ModelRunnerOutput
-    advanced: bool  # request states were advanced at launch (plain decoding)
-    resolved: bool = False  # an MTP step resolved on the device (drafted at launch)
-    # MTP: the next part of the same step (rows launched after the read of the step in
-    # front of it: resolved ones, then ragged ones); the parts are read together.
-    rest: LaunchedStep | None = None
 
 
 class StepPipeline:
@@ -95,6 +77,8 @@ class StepPipeline:
         # limit, ...).
         self.num_resolved_steps = 0
         self.num_launched_ahead = 0
+        self.num_prompts_ahead = 0  # steps whose joining prompts went before the read
+        self.num_parts_after_read = 0  # MTP steps with a part that waited for the read
         self.num_read_first = 0  # plain decoding: steps launched after the read (penalties)
 
     @torch.inference_mode()
@@ -129,31 +113,40 @@ class StepPipeline:
         self, step: SchedulerOutput, previous: LaunchedStep | None
     ) -> ModelRunnerOutput | None:
         """``step_ahead`` with an MTP head: the rows the device can resolve from their slots
-        are launched as one resolved step before ``previous`` is read; after that read, the
-        rows it made resolvable are launched as a second resolved step, and the rest (prompt
+        are launched as one resolved step before ``previous`` is read, and the prompts of
+        requests joining the batch as a ragged one; after that read, the rows it made
+        resolvable are launched as a second resolved step, and the rest (later prompt
         chunks, sampled or near-the-end rows) as a ragged one. The parts are chained on the
         first (``LaunchedStep.rest``) and read together. Without ``split_steps`` a step
         launches whole: ahead if every row is resolvable, else after the read as one part."""
         resolvable = self.mtp.row_resolvable
         ready = [row for row in step.scheduled if resolvable(row, previous is not None)]
+        joining = [row for row in step.scheduled if self._joins(row)] if self.split_steps else []
         if not self.split_steps and len(ready) < len(step.scheduled):
             ready = []
         finished = step.finished_request_ids  # dropped by the first part launched
         parts: list[LaunchedStep | None] = []
-        if ready:
-            parts.append(self._timed_launch(SchedulerOutput(ready, finished), True))
-            finished = []
-            if previous is not None:
-                self.num_launched_ahead += 1
+        if joining and previous is not None:
+            previous.keep_hidden()
+        for rows, resolved in ((ready, True), (joining, False)):
+            if rows:
+                parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))
+                finished = []
+        if previous is not None:
+            self.num_launched_ahead += bool(ready)
+            self.num_prompts_ahead += bool(joining)
         output = self.read(previous) if previous is not None else None
-        taken = {id(row) for row in ready}
+        taken = {id(row) for row in ready + joining}
         later = [row for row in step.scheduled if id(row) not in taken]
+        self.num_parts_after_read += previous is not None and bool(later)
         resolved_now: list = []
         ragged: list = []
         for row in later:
             (resolved_now if resolvable(row, False) else ragged).append(row)
         if not self.split_steps and ragged:
             resolved_now, ragged = [], later
+        for part in filter(None, parts if ragged else []):
+            part.keep_hidden()  # the ragged part may replay a graph theirs came from
         for rows, resolved in ((resolved_now, True), (ragged, False)):
             if rows:
                 parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))
@@ -164,6 +157,15 @@ class StepPipeline:
             after.output = launched[0].output
         self._launched = launched[0] if launched else None
         return output
+
+    def _joins(self, row) -> bool:
+        """Whether ``row`` admits a request this worker holds no state of (no step in flight
+        is its) and reads no output (a bias, a grammar): it can go before the read."""
+        return (
+            row.reset_token_ids is not None
+            and row.request.request_id not in self.batch.states
+            and not row.request.sampling_params.reads_output
+        )
 
     @on_runner_device
     @torch.inference_mode()

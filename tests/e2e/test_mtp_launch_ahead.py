@@ -96,7 +96,8 @@ def test_mtp_decode_steps_are_queued_before_the_previous_read(
 def test_decode_rows_launch_ahead_while_prompts_keep_joining(make_llm, prompts):
     """Steady state: sixteen requests of mixed lengths through four sequence slots, so a
     prompt joins most steps; the decode rows of those steps still launch before the read of
-    the step in front (the prompt rows follow it), and the outputs are plain decoding's."""
+    the step in front (so do the joining prompts: the next test), and the outputs are plain
+    decoding's."""
     llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_num_seqs=4)
     pipeline = llm.engine.pipeline
     step_ahead = pipeline.step_ahead
@@ -304,3 +305,39 @@ def test_the_whole_step_graph_function_equals_the_eager_resolved_step(make_llm):
             for token, entry in want_entry.items():
                 assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
                 assert got_entry[token].rank == entry.rank
+
+
+def test_joining_prompts_launch_before_the_read_and_draft_as_after_it(
+    make_llm, prompts, monkeypatch
+):
+    """A request joining the batch has nothing in flight, so its prompt goes before the read
+    of the step in front, beside the resolved rows: fewer steps wait for that read with a
+    part of their own. Its prompt drafts exactly as when it waits (the same acceptance at
+    every depth: the unread hidden states it drafts from are its own when another ragged
+    part replays a graph), and the outputs are the same."""
+    many = (prompts * 2)[:16]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6 + 5 * (i % 5), ignore_eos=True)
+        for i in range(len(many))
+    ]
+    runs = {}
+    for seed, ahead in ((1, True), (2, False)):  # two engines: no prefix hits across runs
+        llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_num_seqs=4, seed=seed)
+        pipeline = llm.engine.pipeline
+        if not ahead:
+            monkeypatch.setattr(pipeline, "_joins", lambda row: False)
+        joined, waited = pipeline.num_prompts_ahead, pipeline.num_parts_after_read
+        before = llm.get_metrics()["spec_decode_num_accepted_tokens_per_pos"]
+        outputs = llm.generate(many, params, use_tqdm=False)
+        after = llm.get_metrics()["spec_decode_num_accepted_tokens_per_pos"]
+        runs[ahead] = {
+            "tokens": _tokens(outputs),
+            "accepted": [a - b for a, b in zip(after, before, strict=True)],
+            "joined": pipeline.num_prompts_ahead - joined,
+            "waited": pipeline.num_parts_after_read - waited,
+        }
+        monkeypatch.undo()
+    assert runs[True]["tokens"] == runs[False]["tokens"]
+    assert runs[True]["accepted"] == runs[False]["accepted"] and sum(runs[True]["accepted"]) > 0
+    assert runs[True]["joined"] >= 5 and runs[False]["joined"] == 0
+    assert runs[True]["waited"] < runs[False]["waited"], runs

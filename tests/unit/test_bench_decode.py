@@ -244,8 +244,11 @@ class _CountingLLM:
             "spec_decode_num_accepted_tokens_per_pos": [0, 0, 0],
         }
         self.model_path = "model.gguf"
+        pipeline = SimpleNamespace(
+            num_launched_ahead=0, num_prompts_ahead=0, num_parts_after_read=0
+        )
         self.engine = SimpleNamespace(
-            arch=SimpleNamespace(vocab_size=1000), max_model_len=max_model_len
+            arch=SimpleNamespace(vocab_size=1000), max_model_len=max_model_len, pipeline=pipeline
         )
         self.tokenizer = SimpleNamespace(
             apply_chat_template=lambda messages: [1, 2] + [7] * len(messages[0]["content"])
@@ -268,6 +271,9 @@ class _CountingLLM:
         self.counters["spec_decode_num_drafts"] += drafts
         self.counters["spec_decode_num_accepted_tokens"] += accepted
         self.counters["spec_decode_num_accepted_tokens_per_pos"][0] += min(accepted, drafts)
+        pipeline = self.engine.pipeline  # all but the first step launched ahead, one waited
+        pipeline.num_launched_ahead += max(drafts - 1, 0)
+        pipeline.num_parts_after_read += 1
         return seconds, tokens
 
 
@@ -284,6 +290,9 @@ def test_questions_row_sums_tokens_and_seconds_and_lists_each_acceptance(monkeyp
     assert run["acceptance_length_per_question"] == [2.0, 4.0, 1.0]
     assert run["mean_acceptance_length"] == pytest.approx(1 + 125 / 135)
     assert run["num_drafts"] == 135 and run["num_steps"] == 135
+    # The step pipeline's counts over the row: 49 + 24 + 59 ahead, one waiting per question.
+    assert run["steps_launched_ahead"] == 132 and run["steps_parts_after_read"] == 3
+    assert run["steps_prompts_ahead"] == 0
     assert [q["question_id"] for q in run["per_question"]] == [81, 82, 83]
     # Each question was its own generate of one prompt, and the prompts all differ.
     assert [len(prompts) for prompts, _ in llm.calls] == [1, 1, 1]
