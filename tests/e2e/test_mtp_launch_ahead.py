@@ -211,13 +211,20 @@ def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompt
     from tandem.worker.spec_decode import mtp_steps
 
     max_model_len = 160
-    llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_model_len=max_model_len)
+    # Eager: on CUDA a step graph replays the recorded step without calling the function
+    # wrapped here (the graphs' own function is checked against it below).
+    llm = make_llm(
+        speculative="mtp",
+        num_speculative_tokens=K,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+    )
     block_size = llm.engine.block_manager.block_size
     launch = mtp_steps.launch_uniform_step
     writes: list[tuple[int, int]] = []  # (highest position a row may write, its limit)
 
     def checked(runner, slots, plans):
-        for plan in plans:  # on the CPU the slots hold the values the step will read
+        for plan in plans:  # reading a slot waits for the steps queued before this one
             start = int(slots.next_start[plan.state.slot])
             limit = min(max_model_len, len(plan.row.block_ids) * block_size)
             writes.append((start + 2 * K - 1, limit))
