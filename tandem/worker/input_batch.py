@@ -42,6 +42,9 @@ class RequestState:
     # Drafts that stayed in the slot after a resolved step (``drafts`` is then None): the
     # first ``slot_drafts`` of the slot's drafts.
     slot_drafts: int = 0
+    # Its unread step emits exactly one token and filled its slot at launch (a prompt
+    # drafted then): the slot's start is len(token_ids), not a bound.
+    one_token_in_flight: bool = False
     # Structured output: the request's grammar matcher and how many output tokens it took.
     matcher: Any = None
     matcher_len: int = 0
@@ -154,7 +157,7 @@ class InputBatch:
         state.token_ids = list(row.reset_token_ids)  # the runner's own copy, grown in place
         state.num_computed = row.reset_num_computed
         state.drafts = state.draft_probs = state.pending_token = None
-        state.slot_ready, state.slot_drafts = False, 0
+        state.slot_ready, state.slot_drafts, state.one_token_in_flight = False, 0, False
         return state
 
     def drop(self, request_ids: list[str]) -> None:

@@ -11,6 +11,7 @@ from tandem.device_copy import PendingRead
 from tandem.layers.sampler import LogprobsTensors
 from tandem.step import ModelRunnerOutput
 from tandem.worker.input_batch import RowPlan, StepInputs
+from tandem.worker.spec_decode.proposer import Proposal
 from tandem.worker.step_sampler import SamplingRow, StepSample
 
 
@@ -28,6 +29,7 @@ class LaunchedStep:
     output: ModelRunnerOutput
     advanced: bool  # request states were advanced at launch (plain decoding)
     resolved: bool = False  # an MTP step resolved on the device (drafted at launch)
+    drafted: Proposal | None = None  # a ragged MTP step's drafts, made at its launch
     # MTP: the next part of the same step (StepPipeline's module docstring: the joining
     # prompts, then the parts launched after the read of the step in front of it); the
     # parts are read together.

@@ -72,15 +72,18 @@ class RequestSlots:
         self,
         slots: list[int],
         starts: list[int],
-        last_tokens: list[int],
+        last_tokens: list[int] | torch.Tensor,
         drafts: torch.Tensor,
         draft_probs: dict[int, torch.Tensor] | None = None,
     ) -> None:
-        """Set slots from host values and device drafts [len(slots), k], and the
-        distributions [k, V] of sampled drafts by slot (``draft_probs``; no wait)."""
+        """Set slots from host values (``last_tokens`` may be on the device) and device
+        drafts [len(slots), k], and the distributions [k, V] of sampled drafts by slot
+        (``draft_probs``; no wait)."""
         index = to_device(slots, torch.long, self.device)
         self.next_start.index_copy_(0, index, to_device(starts, torch.long, self.device))
-        self.last_token.index_copy_(0, index, to_device(last_tokens, torch.long, self.device))
+        if not isinstance(last_tokens, torch.Tensor):
+            last_tokens = to_device(last_tokens, torch.long, self.device)
+        self.last_token.index_copy_(0, index, last_tokens)
         self.drafts.index_copy_(0, index, drafts)
         if draft_probs:
             self.draft_probs.index_copy_(

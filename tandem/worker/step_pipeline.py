@@ -13,7 +13,8 @@ sample, filled in on the device. With an MTP head a step has up to four parts: t
 the device can resolve (``spec_decode/mtp_steps.py``: a row verifies k drafts from its
 request's device slot) are launched ahead as one resolved step that drafts at launch, and
 the prompts of requests joining the batch (nothing in flight is theirs) as a ragged step
-that drafts at its own read; after the step in front is read, the rows it made resolvable
+that drafts at launch too (it verifies no drafts; their next rows can then go ahead as
+well); after the step in front is read, the rows it made resolvable
 go as a second resolved step, and the others (a later prompt chunk, a near-the-end row) as
 a ragged step. The parts are read with one wait. Each part reads the model's weights once:
 for a model over ``SPLIT_STEP_MAX_WEIGHT_BYTES`` a step that cannot launch whole ahead goes
@@ -209,7 +210,7 @@ class StepPipeline:
         if resolvable:
             return self._launch_resolved(step, begun)
         inputs = self.batch.prepare(step)
-        if self.mtp is not None:  # their slots are stale until the read drafts for them
+        if self.mtp is not None:  # their slots are stale until this step drafts for them
             for plan in inputs.plans:
                 plan.state.slot_ready = False
         if not inputs.plans:  # every row past the context's end: nothing to compute
@@ -267,6 +268,8 @@ class StepPipeline:
             ModelRunnerOutput(),
             self.runner.proposer is None,
         )
+        if self.mtp is not None and not any(plan.num_drafts for plan in inputs.plans):
+            self.mtp.draft_at_launch(launched)  # no row verifies drafts: all rows are known
         if launched.advanced:
             self._advance(launched)
         return launched
@@ -327,10 +330,8 @@ class StepPipeline:
             for plan in launched.inputs.plans:
                 if plan.request_id not in emitted:
                     plan.state.num_computed += plan.num_known
-        if launched.resolved:  # drafted at launch: the drafts are in the slots
-            self.mtp.after_resolved_read(launched.inputs.plans, output)
-        elif self.mtp is not None:
-            self.mtp.draft_after_read(launched.inputs, launched.hidden, emitted, output)
+        if self.mtp is not None:
+            self.mtp.after_read(launched, emitted, output)
 
     def _emit(self, launched: LaunchedStep, host: list, output) -> dict[str, list[int]]:
         """Apply the step's tokens to the request states and the output."""

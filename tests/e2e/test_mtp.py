@@ -91,8 +91,8 @@ class OracleProposer:
         self.wrong_every = wrong_every
         self.calls = 0
 
-    def propose(self, rows, hidden, sampling) -> Proposal:
-        proposal = self.inner.propose(rows, hidden, sampling)
+    def propose(self, rows, hidden, sampling, sampled=None) -> Proposal:
+        proposal = self.inner.propose(rows, hidden, sampling, sampled)
         for row in rows:
             drafts_tensor = proposal.draft_token_ids.get(row.request_id)
             if drafts_tensor is None:

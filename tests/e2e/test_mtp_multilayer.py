@@ -103,8 +103,8 @@ def _recorded(llm: LLM, monkeypatch) -> list[tuple[str, int, list[int]]]:
     proposer = llm.engine.runner.proposer
     propose, records = proposer.propose, []
 
-    def recording(rows, target_hidden, sampling):
-        proposal = propose(rows, target_hidden, sampling)
+    def recording(rows, target_hidden, sampling, sampled=None):
+        proposal = propose(rows, target_hidden, sampling, sampled)
         for row in rows:
             if row.request_id in proposal.draft_token_ids:
                 drafts = proposal.draft_token_ids[row.request_id].tolist()

@@ -1,17 +1,23 @@
 """The MTP side of the step pipeline: which steps the device can resolve (and so launch
-before the step in front of them is read), their launch, and drafting after the read of a
-step that was not resolved (a prefill chunk joined, a row near the end of the context: the
-head's rows there are ragged and known to the host only then)."""
+before the step in front of them is read), their launch, and drafting for the ragged steps.
+A ragged step whose rows verify no drafts (prompt chunks, rows without drafts) emits exactly
+one token per sampling row, so its head rows are known at launch: it drafts then, the
+sampled tokens gathered on the device, and fills the slots of rows with a full k drafts, so
+that their next step launches before it is read. A ragged step that verifies drafts keeps
+a number of positions per row that only its read tells (the accepted counts): it drafts
+after the read."""
 
 from __future__ import annotations
 
 import torch
 
+from tandem.device_copy import to_device
 from tandem.layers.sampler import LogprobsTensors
 from tandem.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.worker.input_batch import InputBatch, RequestState, RowPlan, StepInputs
+from tandem.worker.launched_step import LaunchedStep
 from tandem.worker.model_runner import ModelRunner, on_runner_device
-from tandem.worker.spec_decode.proposer import ProposalRow
+from tandem.worker.spec_decode.proposer import Proposal, ProposalRow
 from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs, graph_family
 from tandem.worker.spec_decode.uniform_step import (
     launch_uniform_step,
@@ -60,17 +66,20 @@ class MTPSteps:
         k = self.slots.num_drafts
         state = self.batch.states.get(row.request.request_id)
         params = row.request.sampling_params
+        if row.reset_token_ids is not None or state is None:
+            return False
+        # A step in flight that emits one token (drafted at launch) leaves no doubt.
+        num_known = len(state.token_ids) + state.one_token_in_flight
         if (
-            row.reset_token_ids is not None
-            or row.num_new_tokens < k + 1
-            or state is None
+            row.num_new_tokens < k + 1
             or not state.slot_ready
-            or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens
+            or num_known - state.num_prompt_tokens < params.min_tokens
             or params.reads_output  # a bias, penalty or grammar: the host-read path
         ):
             return False
         limit = min(self.runner.max_model_len, len(row.block_ids) * self.runner.block_size)
-        return resolved_length_bound(len(state.token_ids), k, ahead) <= limit
+        ahead = ahead and not state.one_token_in_flight
+        return resolved_length_bound(num_known, k, ahead) <= limit
 
     def launch_resolved(
         self, step: SchedulerOutput
@@ -112,6 +121,97 @@ class MTPSteps:
             StepSample(candidates, emitted, list(range(len(candidates))), logprobs),
             sampling_rows,
         )
+
+    def after_read(self, launched: LaunchedStep, emitted: dict, output: ModelRunnerOutput) -> None:
+        """A launched part was read (``emitted``: the tokens each request got): record its
+        drafts, or (a ragged part that verified drafts) draft now."""
+        if launched.resolved:
+            self.after_resolved_read(launched.inputs.plans, output)
+        elif launched.drafted is not None:
+            self.after_drafted_read(launched.inputs.plans, launched.drafted, output)
+        else:
+            self.draft_after_read(launched.inputs, launched.hidden, emitted, output)
+
+    def draft_at_launch(self, launched: LaunchedStep) -> None:
+        """Draft for a ragged step whose rows verify no drafts, as it is launched (the
+        module docstring): every row keeps its known positions, the last next token of a
+        sampling row is the token this step samples (gathered on the device); rows with a
+        full k drafts get their slots written (start, that token, drafts). The drafts go to
+        ``launched.drafted``; its hidden states are no longer needed."""
+        k = self.slots.num_drafts
+        inputs, sampling_plans = launched.inputs, launched.sampling_plans
+        first_rows = {
+            id(plan): row.logits_start
+            for plan, row in zip(sampling_plans, launched.sampling_rows, strict=True)
+        }
+        rows: list[ProposalRow] = []
+        sampling, fill, gather = {}, [], []
+        num_positions = 0
+        for plan in inputs.plans:
+            state = plan.state
+            kept = list(range(plan.start, plan.start + plan.num_known))
+            next_tokens = state.token_ids[plan.start + 1 : plan.start + plan.num_known + 1]
+            num_drafts = 0
+            if id(plan) in first_rows:  # the position after its last is this step's sample
+                next_tokens.append(0)
+                fill.append(num_positions + len(kept) - 1)
+                gather.append(first_rows[id(plan)])
+                num_drafts = max(0, min(k, self.runner.max_model_len - 1 - (kept[-1] + 1)))
+                sampling[plan.request_id] = (plan.row.request.sampling_params, state.seed)
+            rows.append(
+                ProposalRow(
+                    plan.request_id,
+                    kept,
+                    [plan.offset + p - plan.start for p in kept],
+                    next_tokens,
+                    plan.row.block_ids,
+                    num_drafts,
+                )
+            )
+            num_positions += len(kept)
+        sampled = None
+        if gather:
+            index = to_device(gather, torch.long, self.device)
+            sampled = (fill, launched.sample.candidates.index_select(0, index))
+        proposal = self.runner.proposer.propose(rows, launched.hidden, sampling, sampled)
+        launched.drafted, launched.hidden = proposal, None
+        drafts = proposal.draft_token_ids
+        full = [
+            (index, plan)
+            for index, plan in enumerate(sampling_plans)
+            if plan.request_id in drafts and drafts[plan.request_id].shape[0] == k
+        ]
+        if full:
+            self.slots.write(
+                [plan.state.slot for _, plan in full],
+                [plan.start + plan.num_known for _, plan in full],
+                sampled[1].index_select(
+                    0, to_device([index for index, _ in full], torch.long, self.device)
+                ),
+                torch.stack([drafts[plan.request_id] for _, plan in full]),
+                {
+                    plan.state.slot: proposal.draft_probs[plan.request_id]
+                    for _, plan in full
+                    if plan.request_id in proposal.draft_probs
+                },
+            )
+            for _, plan in full:
+                plan.state.slot_ready = plan.state.one_token_in_flight = True
+
+    def after_drafted_read(
+        self, plans: list[RowPlan], proposal: Proposal, output: ModelRunnerOutput
+    ) -> None:
+        """A step drafted at its launch was read: its requests' drafts, as
+        ``draft_after_read`` leaves them (the slots of full ones were filled at launch)."""
+        for plan in plans:
+            plan.state.one_token_in_flight = False
+        for request_id, drafts in proposal.draft_token_ids.items():
+            state = self.batch.states.get(request_id)
+            if state is None:  # it ended, and was dropped, while this step ran
+                continue
+            state.drafts = drafts
+            state.draft_probs = proposal.draft_probs.get(request_id)
+            output.num_drafts[request_id] = int(drafts.shape[0])
 
     def after_resolved_read(self, plans: list[RowPlan], output: ModelRunnerOutput) -> None:
         """A resolved step was read: each request's drafts for its next step are in its

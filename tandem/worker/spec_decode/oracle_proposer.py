@@ -156,10 +156,12 @@ class OracleProposer:
         rows: list[ProposalRow],
         target_hidden: torch.Tensor,
         sampling: dict[str, tuple[SamplingParams, int]],
+        sampled: tuple[list[int], torch.Tensor] | None = None,
     ) -> Proposal:
-        """Drafts after a step the host has read (``MTPProposer.propose``'s contract): a
-        drafting row's newest token sits one past its last kept position. The drafts are
-        deterministic: a sampled request's q is one-hot on them (``one_hot_probs``)."""
+        """Drafts after a step (``MTPProposer.propose``'s contract): a drafting row's newest
+        token sits one past its last kept position. The drafts are deterministic (the
+        recording's, whatever the tokens ``sampled`` names): a sampled request's q is
+        one-hot on them (``one_hot_probs``)."""
         proposal = Proposal({}, {})
         drafting = [r for r in rows if r.positions and r.num_drafts > 0]
         if not drafting:

@@ -169,11 +169,14 @@ class MTPProposer:
         rows: list[ProposalRow],
         target_hidden: torch.Tensor,
         sampling: dict[str, tuple[SamplingParams, int]],
+        sampled: tuple[list[int], torch.Tensor] | None = None,
     ) -> Proposal:
         """``sampling`` maps each drafting request to its params and 63-bit key seed; greedy
         requests draft by argmax, the others sample from the filtered draft distribution q
-        (keyed by seed, drafted position and depth). The drafts stay on the device (the next
-        step reads them there)."""
+        (keyed by seed, drafted position and depth). ``sampled``: (indices into the rows'
+        positions, device tokens), the next tokens that only the device knows yet (drafting
+        at a step's launch: those the step samples), in place of ``next_tokens`` there. The
+        drafts stay on the device (the next step reads them there)."""
         rows = [r for r in rows if r.positions]
         proposal = Proposal({}, {})
         if not rows:
@@ -193,9 +196,10 @@ class MTPProposer:
             device,
         )
         position_ids = to_device(positions, torch.long, device)
-        embeds = self.model.embed_tokens(
-            to_device([t for r in rows for t in r.next_tokens], torch.long, device)
-        )
+        next_ids = to_device([t for r in rows for t in r.next_tokens], torch.long, device)
+        if sampled is not None:
+            next_ids.index_copy_(0, to_device(sampled[0], torch.long, device), sampled[1])
+        embeds = self.model.embed_tokens(next_ids)
         hidden = self.head.layers[0](
             position_ids,
             embeds,
