@@ -105,19 +105,35 @@ def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
     snapshots carry the step pipeline's counts too (``_snapshot``)."""
     if not k:
         return {}
-    names = ("steps_launched_ahead", "steps_prompts_ahead", "steps_parts_after_read")
+    names = (
+        "steps_launched_ahead",
+        "steps_prompts_ahead",
+        "steps_parts_after_read",
+        "steps_resolved",
+        "steps_resolved_in_graphs",
+        "host_launch_s",
+        "host_wait_s",
+    )
     return {**acceptance(before, after, k), **{n: after[n] - before[n] for n in names}}
 
 
 def _snapshot(llm: Any) -> dict:
     """The engine's metrics and how many MTP steps so far launched rows before the read of
-    the step in front (resolved rows; joining prompts) or had a part that waited for it."""
+    the step in front (resolved rows; joining prompts) or had a part that waited for it, and
+    how many resolved parts ran, and of those how many replayed a CUDA graph (the rest ran
+    eagerly: no graph for their size, or the slots' storage grew since the capture), and
+    the host's seconds in launches and in waits for the device."""
     pipeline = llm.engine.pipeline
+    graphs = pipeline.mtp.step_graphs if pipeline.mtp is not None else None
     return {
         **llm.get_metrics(),
         "steps_launched_ahead": pipeline.num_launched_ahead,
         "steps_prompts_ahead": pipeline.num_prompts_ahead,
         "steps_parts_after_read": pipeline.num_parts_after_read,
+        "steps_resolved": pipeline.num_resolved_steps,
+        "steps_resolved_in_graphs": graphs.num_replays if graphs is not None else 0,
+        "host_launch_s": pipeline.launch_seconds,  # preparing and queueing steps
+        "host_wait_s": pipeline.reader.wait_seconds,  # waiting for the device at reads
     }
 
 

@@ -244,8 +244,15 @@ class _CountingLLM:
             "spec_decode_num_accepted_tokens_per_pos": [0, 0, 0],
         }
         self.model_path = "model.gguf"
+        graphs = SimpleNamespace(num_replays=0)
         pipeline = SimpleNamespace(
-            num_launched_ahead=0, num_prompts_ahead=0, num_parts_after_read=0
+            num_launched_ahead=0,
+            num_prompts_ahead=0,
+            num_parts_after_read=0,
+            num_resolved_steps=0,
+            mtp=SimpleNamespace(step_graphs=graphs),
+            launch_seconds=0.0,
+            reader=SimpleNamespace(wait_seconds=0.0),
         )
         self.engine = SimpleNamespace(
             arch=SimpleNamespace(vocab_size=1000), max_model_len=max_model_len, pipeline=pipeline
@@ -274,6 +281,10 @@ class _CountingLLM:
         pipeline = self.engine.pipeline  # all but the first step launched ahead, one waited
         pipeline.num_launched_ahead += max(drafts - 1, 0)
         pipeline.num_parts_after_read += 1
+        pipeline.num_resolved_steps += max(drafts - 1, 0)  # all but one of them in a graph
+        pipeline.mtp.step_graphs.num_replays += max(drafts - 2, 0)
+        pipeline.launch_seconds += seconds / 4  # a quarter of the time in launches, half waits
+        pipeline.reader.wait_seconds += seconds / 2
         return seconds, tokens
 
 
@@ -293,6 +304,8 @@ def test_questions_row_sums_tokens_and_seconds_and_lists_each_acceptance(monkeyp
     # The step pipeline's counts over the row: 49 + 24 + 59 ahead, one waiting per question.
     assert run["steps_launched_ahead"] == 132 and run["steps_parts_after_read"] == 3
     assert run["steps_prompts_ahead"] == 0
+    assert run["steps_resolved"] == 132 and run["steps_resolved_in_graphs"] == 129
+    assert run["host_launch_s"] == pytest.approx(1.0) and run["host_wait_s"] == pytest.approx(2.0)
     assert [q["question_id"] for q in run["per_question"]] == [81, 82, 83]
     # Each question was its own generate of one prompt, and the prompts all differ.
     assert [len(prompts) for prompts, _ in llm.calls] == [1, 1, 1]
