@@ -205,6 +205,12 @@ class MTPSteps:
         ``draft_after_read`` leaves them (the slots of full ones were filled at launch)."""
         for plan in plans:
             plan.state.one_token_in_flight = False
+        self._record_drafts(proposal, output)
+
+    def _record_drafts(self, proposal: Proposal, output: ModelRunnerOutput) -> list[RequestState]:
+        """Give the requests still here their drafts (and q) and report them; returns the
+        states with a full k drafts."""
+        full = []
         for request_id, drafts in proposal.draft_token_ids.items():
             state = self.batch.states.get(request_id)
             if state is None:  # it ended, and was dropped, while this step ran
@@ -212,6 +218,9 @@ class MTPSteps:
             state.drafts = drafts
             state.draft_probs = proposal.draft_probs.get(request_id)
             output.num_drafts[request_id] = int(drafts.shape[0])
+            if drafts.shape[0] == self.slots.num_drafts:
+                full.append(state)
+        return full
 
     def after_resolved_read(self, plans: list[RowPlan], output: ModelRunnerOutput) -> None:
         """A resolved step was read: each request's drafts for its next step are in its
@@ -258,17 +267,7 @@ class MTPSteps:
         proposal = self.runner.proposer.propose(rows, hidden, sampling)
         for plan in inputs.plans:
             plan.state.slot_ready = False
-        ready: list[RequestState] = []
-        for request_id, drafts in proposal.draft_token_ids.items():
-            state = self.batch.states.get(request_id)
-            if state is None:  # it ended, and was dropped, while this step ran
-                continue
-            state.drafts = drafts
-            state.draft_probs = proposal.draft_probs.get(request_id)
-            output.num_drafts[request_id] = int(drafts.shape[0])
-            if drafts.shape[0] == k:
-                ready.append(state)
-        self.fill_slots(ready)
+        self.fill_slots(self._record_drafts(proposal, output))
 
     def fill_slots(self, states: list[RequestState]) -> None:
         """Write requests' next start, last token and k drafts into their device slots
