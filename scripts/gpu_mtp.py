@@ -11,7 +11,8 @@ self-generated replies alone; NUM_LAYERS=N trains a new head of N layers; CHAIN=
 repeated depths with the older causal mask; TEACHER_T=T distills from the base's distribution
 at temperature T; FEATURES=1:15:29 gives the head fused features of those base layers
 (ending with the last; a continued head starts as it was); SELF=0 trains on ShareGPT alone
-(no generation); HEAD_NAME names the head's directory under
+(no generation); GEN_TEMPERATURE=T writes the replies sampled at temperature T (top-p 0.95,
+request i seeded with i) instead of greedily; HEAD_NAME names the head's directory under
 OUT_DIR (default `head`). `speed` is `tandem bench spec`'s run at batch 1 and 16 (with the
 non-speculative baseline)."""
 
@@ -64,9 +65,19 @@ if stage in ("all", "gen", "train"):
             max_num_seqs=8 if smoke else 384,
             kv_cache_memory_gb=1 if smoke else 24,
         )
+        shard_prompts = data["self_prompts"][shard::shards]
+        temperature = float(os.environ.get("GEN_TEMPERATURE", "0"))
         outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in data["self_prompts"][shard::shards]],
-            SamplingParams(temperature=0.0, max_tokens=8 if smoke else 256),
+            [{"prompt_token_ids": p} for p in shard_prompts],
+            [
+                SamplingParams(
+                    temperature=temperature,
+                    top_p=0.95 if temperature else 1.0,
+                    seed=shard + shards * i,  # the prompt's index in DATA.pt
+                    max_tokens=8 if smoke else 256,
+                )
+                for i in range(len(shard_prompts))
+            ],
             use_tqdm=False,
         )
         sync()
@@ -75,6 +86,7 @@ if stage in ("all", "gen", "train"):
             "requests": len(generated),
             "seconds": time.perf_counter() - started,
             "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "temperature": temperature,
         }
         del llm
         name = f"self_generated_{shard}.pt" if "SHARD" in os.environ else "self_generated.pt"
