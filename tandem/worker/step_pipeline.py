@@ -146,8 +146,8 @@ class StepPipeline:
             (resolved_now if resolvable(row, False) else ragged).append(row)
         if not self.split_steps and ragged:
             resolved_now, ragged = [], later
-        for part in filter(None, parts if ragged else []):
-            part.keep_hidden()  # the ragged part may replay a graph theirs came from
+        # This step's parts so far keep no hidden states for a later ragged replay to
+        # overwrite: resolved ones, and joining prompts drafted at their launch.
         for rows, resolved in ((resolved_now, True), (ragged, False)):
             if rows:
                 parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))

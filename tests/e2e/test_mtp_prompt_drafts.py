@@ -38,6 +38,25 @@ def _count_first_rows_ahead(pipeline, monkeypatch) -> list[str]:
     return found
 
 
+def _record_unverifying_parts(pipeline, monkeypatch) -> list[bool]:
+    """For every ragged part read whose rows verify no drafts: whether it was drafted at
+    its launch and kept no hidden states (nothing for a later ragged replay to overwrite)."""
+    seen: list[bool] = []
+    read = pipeline.read
+
+    def checking(launched):
+        part = launched
+        while part is not None:
+            plans = part.inputs.plans
+            if not part.resolved and plans and not any(p.num_drafts for p in plans):
+                seen.append(part.drafted is not None and part.hidden is None)
+            part = part.rest
+        return read(launched)
+
+    monkeypatch.setattr(pipeline, "read", checking)
+    return seen
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_prompt_steps_draft_at_launch_as_at_their_read(make_llm, prompts, monkeypatch, temperature):
     """16 requests through 4 rows, each prompt drafted at its launch or (the head's rows
@@ -62,6 +81,7 @@ def test_prompt_steps_draft_at_launch_as_at_their_read(make_llm, prompts, monkey
         if not at_launch:
             monkeypatch.setattr(pipeline.mtp, "draft_at_launch", lambda launched: None)
         first_rows = _count_first_rows_ahead(pipeline, monkeypatch)
+        unverifying = _record_unverifying_parts(pipeline, monkeypatch)
         waited = pipeline.num_parts_after_read
         before = llm.get_metrics()["spec_decode_num_accepted_tokens_per_pos"]
         outputs = llm.generate(many, params, use_tqdm=False)
@@ -71,12 +91,17 @@ def test_prompt_steps_draft_at_launch_as_at_their_read(make_llm, prompts, monkey
             "accepted": [a - b for a, b in zip(after, before, strict=True)],
             "first_rows_ahead": len(set(first_rows)),
             "waited": pipeline.num_parts_after_read - waited,
+            "drafted_at_launch": unverifying,
         }
         monkeypatch.undo()
     assert runs[True]["tokens"] == runs[False]["tokens"]
     assert runs[True]["accepted"] == runs[False]["accepted"] and sum(runs[True]["accepted"]) > 0
     assert runs[True]["first_rows_ahead"] >= 8 and runs[False]["first_rows_ahead"] == 0, runs
     assert runs[True]["waited"] < runs[False]["waited"], runs
+    # Every prompt part drafted at its launch (the pipeline copies no hidden states for it);
+    # 16 prompts in parts of at most 4 rows.
+    assert len(runs[True]["drafted_at_launch"]) >= 4 and all(runs[True]["drafted_at_launch"])
+    assert not any(runs[False]["drafted_at_launch"])
 
 
 def test_a_request_ending_at_its_first_token_while_its_next_row_runs_ahead(

@@ -148,27 +148,12 @@ class MTPSteps:
         sampling, fill, gather = {}, [], []
         num_positions = 0
         for plan in inputs.plans:
-            state = plan.state
-            kept = list(range(plan.start, plan.start + plan.num_known))
-            next_tokens = state.token_ids[plan.start + 1 : plan.start + plan.num_known + 1]
-            num_drafts = 0
-            if id(plan) in first_rows:  # the position after its last is this step's sample
-                next_tokens.append(0)
-                fill.append(num_positions + len(kept) - 1)
+            samples = id(plan) in first_rows  # the token after its last is this step's sample
+            rows.append(self._head_row(plan, plan.num_known, samples, sampling))
+            num_positions += plan.num_known
+            if samples:
+                fill.append(num_positions - 1)
                 gather.append(first_rows[id(plan)])
-                num_drafts = max(0, min(k, self.runner.max_model_len - 1 - (kept[-1] + 1)))
-                sampling[plan.request_id] = (plan.row.request.sampling_params, state.seed)
-            rows.append(
-                ProposalRow(
-                    plan.request_id,
-                    kept,
-                    [plan.offset + p - plan.start for p in kept],
-                    next_tokens,
-                    plan.row.block_ids,
-                    num_drafts,
-                )
-            )
-            num_positions += len(kept)
         sampled = None
         if gather:
             index = to_device(gather, torch.long, self.device)
@@ -239,35 +224,36 @@ class MTPSteps:
         """After a step that was not resolved on the device has been read: run the MTP
         head over its kept positions (ragged rows the host now knows) and draft the next
         tokens; requests with a full k drafts get their slots filled."""
-        k = self.runner.config.speculative.num_speculative_tokens
         rows: list[ProposalRow] = []
         sampling = {}
         for plan in inputs.plans:
-            request_id = plan.request_id
-            state = plan.state
-            new_tokens = emitted.get(request_id, [])
+            new_tokens = emitted.get(plan.request_id, [])
             # Kept positions: the known tokens computed here plus the accepted drafts.
             num_kept = plan.num_known + max(len(new_tokens) - 1, 0)
-            kept = list(range(plan.start, plan.start + num_kept))
-            num_drafts = 0
-            if new_tokens:
-                # Drafts beyond the context would have no KV slot.
-                num_drafts = max(0, min(k, self.runner.max_model_len - 1 - (kept[-1] + 1)))
-                sampling[request_id] = (plan.row.request.sampling_params, state.seed)
-            rows.append(
-                ProposalRow(
-                    request_id,
-                    kept,
-                    [plan.offset + p - plan.start for p in kept],
-                    [state.token_ids[p + 1] for p in kept],
-                    plan.row.block_ids,
-                    num_drafts,
-                )
-            )
+            rows.append(self._head_row(plan, num_kept, bool(new_tokens), sampling))
         proposal = self.runner.proposer.propose(rows, hidden, sampling)
         for plan in inputs.plans:
             plan.state.slot_ready = False
         self.fill_slots(self._record_drafts(proposal, output))
+
+    def _head_row(self, plan: RowPlan, num_kept: int, drafts: bool, sampling: dict) -> ProposalRow:
+        """The head's rows for ``plan``'s first ``num_kept`` positions, each with the token
+        after it (0 where only the device knows it yet: the sample of a step drafted at its
+        launch); ``drafts``: the row drafts, as many as the context leaves KV slots for, and
+        its params and key seed go into ``sampling``."""
+        state = plan.state
+        kept = list(range(plan.start, plan.start + num_kept))
+        next_tokens = state.token_ids[plan.start + 1 : plan.start + num_kept + 1]
+        next_tokens += [0] * (num_kept - len(next_tokens))
+        num_drafts = 0
+        if drafts:
+            k = self.slots.num_drafts
+            num_drafts = max(0, min(k, self.runner.max_model_len - 1 - (kept[-1] + 1)))
+            sampling[plan.request_id] = (plan.row.request.sampling_params, state.seed)
+        hidden_rows = [plan.offset + p - plan.start for p in kept]
+        return ProposalRow(
+            plan.request_id, kept, hidden_rows, next_tokens, plan.row.block_ids, num_drafts
+        )
 
     def fill_slots(self, states: list[RequestState]) -> None:
         """Write requests' next start, last token and k drafts into their device slots
