@@ -112,6 +112,7 @@ def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
         "steps_resolved",
         "steps_resolved_in_graphs",
         "host_launch_s",
+        "host_ragged_launch_s",
         "host_wait_s",
     )
     return {**acceptance(before, after, k), **{n: after[n] - before[n] for n in names}}
@@ -122,7 +123,8 @@ def _snapshot(llm: Any) -> dict:
     the step in front (resolved rows; joining prompts) or had a part that waited for it, and
     how many resolved parts ran, and of those how many replayed a CUDA graph (the rest ran
     eagerly: no graph for their size, or the slots' storage grew since the capture), and
-    the host's seconds in launches and in waits for the device."""
+    the host's seconds in launches (and of those, in ragged parts) and in waits for the
+    device."""
     pipeline = llm.engine.pipeline
     graphs = pipeline.mtp.step_graphs if pipeline.mtp is not None else None
     return {
@@ -133,6 +135,7 @@ def _snapshot(llm: Any) -> dict:
         "steps_resolved": pipeline.num_resolved_steps,
         "steps_resolved_in_graphs": graphs.num_replays if graphs is not None else 0,
         "host_launch_s": pipeline.launch_seconds,  # preparing and queueing steps
+        "host_ragged_launch_s": pipeline.ragged_launch_seconds,  # of it, MTP ragged parts
         "host_wait_s": pipeline.reader.wait_seconds,  # waiting for the device at reads
     }
 

@@ -71,13 +71,12 @@ class StepPipeline:
         self.split_steps = weight_bytes(runner.model) <= SPLIT_STEP_MAX_WEIGHT_BYTES
         self.reader = DeviceReader(self.device)
         self.grammars = RowGrammars(runner.config.model, runner.arch.vocab_size, self.reader)
-        self.launch_seconds = 0.0  # the host's time in launch (preparing, queueing steps)
+        # The host's time in launch (preparing, queueing steps); of it, in MTP ragged parts.
+        self.launch_seconds = self.ragged_launch_seconds = 0.0
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
-        # MTP steps resolved on the device, and those queued before the step in front of
-        # them was read (the rest read first: a prefill joined, a row near the length
-        # limit, ...).
-        self.num_resolved_steps = 0
-        self.num_launched_ahead = 0
+        # MTP steps resolved on the device, and those queued before the step in front of them
+        # was read (the rest read first: a prefill joined, a row near the length limit, ...).
+        self.num_resolved_steps = self.num_launched_ahead = 0
         self.num_prompts_ahead = 0  # steps whose joining prompts went before the read
         self.num_parts_after_read = 0  # MTP steps with a part that waited for the read
         self.num_read_first = 0  # plain decoding: steps launched after the read (penalties)
@@ -146,8 +145,7 @@ class StepPipeline:
             (resolved_now if resolvable(row, False) else ragged).append(row)
         if not self.split_steps and ragged:
             resolved_now, ragged = [], later
-        # This step's parts so far keep no hidden states for a later ragged replay to
-        # overwrite: resolved ones, and joining prompts drafted at their launch.
+        # Parts so far (resolved; prompts drafted at launch) keep no hidden states to lose.
         for rows, resolved in ((resolved_now, True), (ragged, False)):
             if rows:
                 parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))
@@ -182,7 +180,9 @@ class StepPipeline:
         try:
             return self.launch(step, resolvable)
         finally:
-            self.launch_seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.launch_seconds += elapsed
+            self.ragged_launch_seconds += elapsed if resolvable is False else 0.0
 
     def discard_launched(self) -> None:
         """After a fault: forget the launched step, unread (its requests have failed; the

@@ -83,6 +83,7 @@ def test_prompt_steps_draft_at_launch_as_at_their_read(make_llm, prompts, monkey
         first_rows = _count_first_rows_ahead(pipeline, monkeypatch)
         unverifying = _record_unverifying_parts(pipeline, monkeypatch)
         waited = pipeline.num_parts_after_read
+        launch, ragged = pipeline.launch_seconds, pipeline.ragged_launch_seconds
         before = llm.get_metrics()["spec_decode_num_accepted_tokens_per_pos"]
         outputs = llm.generate(many, params, use_tqdm=False)
         after = llm.get_metrics()["spec_decode_num_accepted_tokens_per_pos"]
@@ -92,6 +93,8 @@ def test_prompt_steps_draft_at_launch_as_at_their_read(make_llm, prompts, monkey
             "first_rows_ahead": len(set(first_rows)),
             "waited": pipeline.num_parts_after_read - waited,
             "drafted_at_launch": unverifying,
+            "launch_s": pipeline.launch_seconds - launch,
+            "ragged_launch_s": pipeline.ragged_launch_seconds - ragged,
         }
         monkeypatch.undo()
     assert runs[True]["tokens"] == runs[False]["tokens"]
@@ -102,6 +105,9 @@ def test_prompt_steps_draft_at_launch_as_at_their_read(make_llm, prompts, monkey
     # 16 prompts in parts of at most 4 rows.
     assert len(runs[True]["drafted_at_launch"]) >= 4 and all(runs[True]["drafted_at_launch"])
     assert not any(runs[False]["drafted_at_launch"])
+    # The host's launch seconds of the ragged parts (the prompts) are a part of all of them.
+    for run in runs.values():
+        assert 0 < run["ragged_launch_s"] < run["launch_s"], run
 
 
 def test_a_request_ending_at_its_first_token_while_its_next_row_runs_ahead(

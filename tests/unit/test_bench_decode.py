@@ -252,6 +252,7 @@ class _CountingLLM:
             num_resolved_steps=0,
             mtp=SimpleNamespace(step_graphs=graphs),
             launch_seconds=0.0,
+            ragged_launch_seconds=0.0,
             reader=SimpleNamespace(wait_seconds=0.0),
         )
         self.engine = SimpleNamespace(
@@ -284,6 +285,7 @@ class _CountingLLM:
         pipeline.num_resolved_steps += max(drafts - 1, 0)  # all but one of them in a graph
         pipeline.mtp.step_graphs.num_replays += max(drafts - 2, 0)
         pipeline.launch_seconds += seconds / 4  # a quarter of the time in launches, half waits
+        pipeline.ragged_launch_seconds += seconds / 8  # half the launches' time in ragged parts
         pipeline.reader.wait_seconds += seconds / 2
         return seconds, tokens
 
@@ -306,6 +308,7 @@ def test_questions_row_sums_tokens_and_seconds_and_lists_each_acceptance(monkeyp
     assert run["steps_prompts_ahead"] == 0
     assert run["steps_resolved"] == 132 and run["steps_resolved_in_graphs"] == 129
     assert run["host_launch_s"] == pytest.approx(1.0) and run["host_wait_s"] == pytest.approx(2.0)
+    assert run["host_ragged_launch_s"] == pytest.approx(0.5)
     assert [q["question_id"] for q in run["per_question"]] == [81, 82, 83]
     # Each question was its own generate of one prompt, and the prompts all differ.
     assert [len(prompts) for prompts, _ in llm.calls] == [1, 1, 1]
