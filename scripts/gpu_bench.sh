@@ -15,7 +15,8 @@
 #               after the other, PROFILE_QUESTIONS (default 4; 0: all) of them profiled;
 #               then STEADY_REQUESTS (default 512, 8x the largest batch; 0: none) ShareGPT
 #               requests at once at the largest batch size, outputs of the dataset's
-#               lengths capped at STEADY_MAX_TOKENS (default 256); every request at
+#               lengths capped at STEADY_MAX_TOKENS (default 256), in STEADY_ROUNDS
+#               (default 5) rounds alternating the modes, all engines alive at once; every request at
 #               TEMPERATURE (default 0: greedy) and TOP_P (default 1); HEAD names an MTP head
 #               directory (default the model's). With ORACLE set (rates,
 #               e.g. 0.19,0.456: expected acceptance lengths 3.0 and 2.0 at k = 3; 0: 4.0)
@@ -77,7 +78,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       status_all=0
       rows="--questions ${QUESTIONS:-16} --profile-questions ${PROFILE_QUESTIONS:-4}"
       rows="$rows --steady-max-tokens ${STEADY_MAX_TOKENS:-256} --num-speculative-tokens 3"
-      rows="$rows --temperature ${TEMPERATURE:-0} --top-p ${TOP_P:-1}"
+      rows="$rows --temperature ${TEMPERATURE:-0} --top-p ${TOP_P:-1} --steady-rounds ${STEADY_ROUNDS:-5}"
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
         --batch-sizes "${BATCH_SIZES:-1,8,64}" --max-tokens "${MAX_TOKENS:-128}" \
         --modes "${MODES:-plain,overlap,mtp,mtp+overlap}" $rows ${HEAD:+--speculative-model "$HEAD"} \

@@ -17,11 +17,17 @@ modes are followed by ``mtp+overlap`` with the oracle proposer at each rate
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.bench.decode_interleaved import (
+    DEFAULT_KV_GB_EACH,
+    interleaved_steady,
+    summarize_rounds,
+)
 from tandem.bench.decode_oracle import oracle_fields, oracle_mode, parse_rates, record_rows
 from tandem.bench.decode_runs import DecodeRows, mtbench_prompts
 from tandem.bench.results import result_path, write_json
@@ -107,8 +113,9 @@ def _print_run(run: dict) -> None:
     kind = run.get("kind", "fixed")
     if kind == "questions":
         kind = f"{run['num_questions']} questions one by one"
-    elif kind == "steady":
-        kind = f"steady, {run['num_requests']} ShareGPT requests"
+    elif kind.startswith("steady"):
+        round_name = f" round {run['round']}" if "round" in run else ""
+        kind = f"steady{round_name}, {run['num_requests']} ShareGPT requests"
     mode = run["mode"]
     if run.get("proposer") == "oracle":
         mode += f" oracle {run['oracle_corruption']:.2f}"
@@ -155,6 +162,7 @@ def run_decode_bench(
     oracle_corruptions: list[float] | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    steady_rounds: int = 1,
 ) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
@@ -169,7 +177,10 @@ def run_decode_bench(
     ``profile_questions`` (0: all). Each rate of ``oracle_corruptions`` adds an
     ``mtp+overlap`` engine whose oracle proposer replays plain decoding's outputs (recorded
     on the first mode without MTP, else on an engine built for it) with that share of its
-    drafts corrupted. Returns ``{"config": ..., "runs": [...]}`` and writes it as
+    drafts corrupted. With ``steady_rounds`` > 1 the modes' steady rows instead run in
+    alternation, all their engines alive at once (:mod:`tandem.bench.decode_interleaved`;
+    ``kind: steady_round``, the summary in ``steady_rounds``; the oracle's engines keep
+    their own). Returns ``{"config": ..., "runs": [...]}`` and writes it as
     ``decode-<device>-<stamp>.json`` under ``out_dir`` when one is given.
     """
     import torch
@@ -178,13 +189,14 @@ def run_decode_bench(
 
     if not batch_sizes or min(batch_sizes) < 1:
         raise ValueError(f"batch sizes must be positive, got {batch_sizes}")
-    for name, value in (
-        ("num_questions", num_questions),
-        ("profile_questions", profile_questions),
-        ("steady_state_requests", steady_state_requests),
+    for name, value, least in (
+        ("num_questions", num_questions, 0),
+        ("profile_questions", profile_questions, 0),
+        ("steady_state_requests", steady_state_requests, 0),
+        ("steady_rounds", steady_rounds, 1),
     ):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     rates = list(oracle_corruptions or [])
     if any(not 0.0 <= rate <= 1.0 for rate in rates):
         raise ValueError(f"oracle corruption rates must be in [0, 1], got {rates}")
@@ -219,6 +231,7 @@ def run_decode_bench(
         "steady_state_requests": steady_state_requests,
         "steady_max_tokens": steady_max_tokens,
         "steady_batch_size": max(batch_sizes) if steady_state_requests else None,
+        "steady_rounds": steady_rounds,
         "oracle_corruptions": rates,
         "temperature": temperature,
         "top_p": top_p,
@@ -248,7 +261,11 @@ def run_decode_bench(
         rows.sample_steady(llm)
         proposer = llm.engine.runner.proposer if oracle else None
         unrecorded = proposer.num_unrecorded_requests if oracle else 0
-        for made in rows.runs(llm, k if mode["mtp"] else None, recordings if oracle else None):
+        interleave = steady_rounds > 1 and not oracle
+        made_rows = rows.runs(
+            llm, k if mode["mtp"] else None, recordings if oracle else None, not interleave
+        )
+        for made in made_rows:
             run = {"mode": mode_name(mode), **oracle_fields(mode, k), **made}
             if proposer is not None:  # requests that found no recording (should be none)
                 run["oracle_unrecorded_requests"] = proposer.num_unrecorded_requests - unrecorded
@@ -258,11 +275,36 @@ def run_decode_bench(
             recordings = record_rows(llm, mode_name(mode), rows, k, results["config"])
         del llm
         _release_memory(device)
+    if steady_rounds > 1 and rows.steady:
+        _interleaved_rows(engines, modes, rows, k, steady_rounds, warmup, results, path)
     if path:
         write_json(results, path)
         results["output_path"] = path
         print(f"wrote {path}")
     return results
+
+
+def _interleaved_rows(engines, modes, rows, k, rounds, warmup, results, path) -> None:
+    """The steady rows of ``modes`` in ``rounds`` alternating rounds, their engines alive
+    at once (each with the given KV, or ``DEFAULT_KV_GB_EACH`` on CUDA)."""
+    kv_gb = engines.kv_cache_memory_gb
+    if kv_gb is None and engines.device.startswith("cuda"):
+        kv_gb = DEFAULT_KV_GB_EACH
+    spec = dataclasses.replace(engines, kv_cache_memory_gb=kv_gb)
+    built = []
+    for mode in modes:
+        llm = spec.build(mode)
+        llm.generate(mtbench_prompts(llm, max(rows.batch_sizes)), warmup, use_tqdm=False)
+        built.append((mode_name(mode), llm, k if mode["mtp"] else None))
+    made = interleaved_steady(
+        built, rows.steady, max(rows.batch_sizes), rows.steady_max_tokens, rounds, rows.params
+    )
+    for run in made:
+        _record(run, results, path)
+    results["steady_rounds"] = summarize_rounds(made, [name for name, _, _ in built])
+    results["steady_rounds"]["kv_cache_memory_gb_each"] = kv_gb
+    del built, llm
+    _release_memory(engines.device)
 
 
 def add_cli_arguments(parser) -> None:
@@ -310,6 +352,13 @@ def add_cli_arguments(parser) -> None:
         help="cap on the steady-state requests' output lengths (the dataset's otherwise)",
     )
     parser.add_argument(
+        "--steady-rounds",
+        type=int,
+        default=1,
+        help="above 1: the modes' steady rows run this many rounds in alternation, their "
+        "engines alive at once, with the median ratio to the first mode",
+    )
+    parser.add_argument(
         "--oracle-corruption",
         default=None,
         metavar="RATES",
@@ -345,5 +394,6 @@ def main_from_args(args) -> int:
         oracle_corruptions=parse_rates(args.oracle_corruption),
         temperature=args.temperature,
         top_p=args.top_p,
+        steady_rounds=args.steady_rounds,
     )
     return 0

@@ -329,8 +329,11 @@ class DecodeRows:
         if self.steady_state_requests and self.steady is None:
             self.steady = steady_requests(llm, self.steady_state_requests, self.steady_max_tokens)
 
-    def runs(self, llm: Any, k: int | None, recordings: dict | None = None) -> Iterator[dict]:
-        """The rows of one engine, as they finish (``k``: its drafts, None without)."""
+    def runs(
+        self, llm: Any, k: int | None, recordings: dict | None = None, steady: bool = True
+    ) -> Iterator[dict]:
+        """The rows of one engine, as they finish (``k``: its drafts, None without;
+        ``steady``: False leaves the steady row to the interleaved rounds)."""
         params, device = self.params, self.device
         for batch_size in self.batch_sizes:
             if batch_size == 1 and self.num_questions > 0:
@@ -339,7 +342,7 @@ class DecodeRows:
                 )
             else:
                 yield fixed_run(llm, batch_size, params, k, device, recordings)
-        if self.steady:
+        if self.steady and steady:
             yield steady_run(
                 llm,
                 self.steady,
