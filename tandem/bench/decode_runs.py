@@ -64,6 +64,12 @@ def profiled_generate(
             "profile_window_s": None,
             "profiler_note": profiled["note"],
         }
+    if "within_waves" in profiled:  # each generate's own window: the gaps between left out
+        within = profiled["within_waves"]
+        result["gpu_idle_within_requests"] = within["idle_fraction"]
+        result["gpu_idle_within_requests_host"] = within["host_fraction"]
+    elif "within_waves_note" in profiled:
+        result["gpu_idle_within_requests_note"] = profiled["within_waves_note"]
     return {
         **result,
         "gpu_idle_fraction": 1.0 - profiled["busy_fraction"],

@@ -77,6 +77,47 @@ def idle_by_gap(
     return shares
 
 
+# The kernel ``torch.cuda._sleep`` launches, put between the waves of a profiled run to
+# mark where one ``generate`` ended and the next began on the device's own clock.
+WAVE_MARKER = "spin_kernel"
+WAVE_MARKER_CYCLES = 1000
+
+
+def wave_intervals(events: list[tuple[str, str, float, float]]) -> list[list[tuple[float, float]]]:
+    """The intervals of ``device_events`` split at the wave markers, in time order (the
+    markers themselves dropped, and waves without device work)."""
+    waves: list[list[tuple[float, float]]] = [[]]
+    for name, _, start, end in sorted(events, key=lambda event: event[2]):
+        if WAVE_MARKER in name:
+            waves.append([])
+        else:
+            waves[-1].append((start, end))
+    return [wave for wave in waves if wave]
+
+
+def within_waves(waves: list[list[tuple[float, float]]]) -> dict:
+    """Busy and idle over each wave's own window (its first device op to its last), added
+    up over the waves: the gaps between waves (the host between one ``generate`` and the
+    next) are left out. ``idle_fraction`` and its ``host_fraction`` (gaps past
+    ``GAP_BOUNDS_US``) are shares of the summed windows."""
+    window_us = busy_us = host_us = 0.0
+    for intervals in waves:
+        window = (min(s for s, _ in intervals), max(e for _, e in intervals))
+        length = window[1] - window[0]
+        window_us += length
+        busy_us += busy_fraction(intervals, window) * length
+        host_us += idle_by_gap(intervals, window)["host"] * length
+    idle = 1.0 - busy_us / window_us if window_us > 0 else None
+    host = host_us / window_us if window_us > 0 else None
+    return {
+        "waves": len(waves),
+        "window_us": window_us,
+        "busy_us": busy_us,
+        "idle_fraction": idle,
+        "host_fraction": host,
+    }
+
+
 def _method(obj: Any, name: str, default: Any = None) -> Any:
     """``obj.name()`` if ``obj`` has that method, else ``default``."""
     fn = getattr(obj, name, None)
@@ -166,7 +207,10 @@ def profile_generate(
     (kernels, memcpys, memsets) and ``activity_counts``; when device ops were recorded, their
     window ``window_us``, ``busy_fraction`` and ``busy_us`` of it, the idle share split by
     gap length (``idle_by_gap``) and the ``top`` ops by total
-    time; otherwise a ``note`` saying why not."""
+    time; otherwise a ``note`` saying why not. With ``batch_size``, also the busy and idle
+    shares within each wave's own window (``within_waves``: the host's time between one
+    ``generate`` and the next left out; on CUDA a marker kernel separates the waves)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     sync_device(device)
@@ -175,20 +219,33 @@ def profile_generate(
         step = batch_size or max(len(prompts), 1)
         for i in range(0, max(len(prompts), 1), step):
             llm.generate(prompts[i : i + step], params, use_tqdm=False)
+            if batch_size and device.startswith("cuda"):
+                torch.cuda._sleep(WAVE_MARKER_CYCLES)
         sync_device(device)
         wall = time.perf_counter() - start
     try:
-        intervals, counts = device_intervals(prof)
+        events = device_events(prof)
     except (AttributeError, RuntimeError, TypeError) as e:
-        intervals, counts = [], {}
+        events = []
         note = f"could not read the profiler's events: {type(e).__name__}: {e}"
     else:
         note = "the profiler recorded no CUDA kernel, memcpy or memset events"
+    waves = wave_intervals(events)
+    intervals = [interval for wave in waves for interval in wave]
+    counts: dict[str, int] = {}
+    for name, activity, _, _ in events:
+        if WAVE_MARKER not in name:
+            counts[activity] = counts.get(activity, 0) + 1
     result: dict = {"wall_s": wall, "device_ops": len(intervals), "activity_counts": counts}
     if not intervals:
         return {**result, "note": note}
     window = (min(s for s, _ in intervals), max(e for _, e in intervals))
     busy = busy_fraction(intervals, window)
+    num_generates = len(range(0, max(len(prompts), 1), step))
+    if batch_size and len(waves) == num_generates:
+        result["within_waves"] = within_waves(waves)
+    elif batch_size:  # a wave without device work, or markers the profiler did not name so
+        result["within_waves_note"] = f"{len(waves)} waves of device work, {num_generates} runs"
     return {
         **result,
         "window_us": window[1] - window[0],

@@ -175,6 +175,40 @@ def test_profiled_generate_idle_fraction(monkeypatch):
     assert result["gpu_idle_fraction"] is None and "no CUDA" in result["profiler_note"]
 
 
+def test_profiled_questions_idle_within_each_generate(monkeypatch):
+    # Two questions, one generate each, a marker kernel after each. Question 1: busy [0, 4)
+    # and [4.5, 5) us, a 0.5 us launch-length gap. Question 2: busy [105, 108) and
+    # [118, 120), a 10 us gap (the host's). Over the whole window [0, 120) the 100 us
+    # between the questions count as idle too; within their own windows (5 + 15 us) only
+    # the two gaps are idle: 10.5 of 20 us, 10 of them the host's.
+    events = [
+        _FakeKinetoEvent("k1", DeviceType.CUDA, "kernel", 0, 4000),
+        _FakeKinetoEvent("copy", DeviceType.CUDA, "gpu_memcpy", 4500, 5000),
+        _FakeKinetoEvent("spin_kernel", DeviceType.CUDA, "kernel", 50000, 50100),
+        _FakeKinetoEvent("k2", DeviceType.CUDA, "kernel", 105000, 108000),
+        _FakeKinetoEvent("k3", DeviceType.CUDA, "kernel", 118000, 120000),
+        _FakeKinetoEvent("spin_kernel", DeviceType.CUDA, "kernel", 121000, 121100),
+    ]
+    monkeypatch.setattr(torch.profiler, "profile", lambda activities: _FakeProfile(events))
+    llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm: [])
+    prompts = [{"prompt_token_ids": [1]}, {"prompt_token_ids": [2]}]
+    result = decode_runs.profiled_generate(llm, prompts, None, "cpu", batch_size=1)
+    # The markers are not the run's device work: 4 ops in a window of 120 us.
+    assert result["profile_device_events"] == 4
+    assert result["profiler_activity_counts"] == {"kernel": 3, "gpu_memcpy": 1}
+    assert result["profile_window_s"] == pytest.approx(120e-6)
+    assert result["gpu_idle_fraction"] == pytest.approx(1 - 9.5 / 120)
+    assert result["gpu_idle_within_requests"] == pytest.approx(10.5 / 20)
+    assert result["gpu_idle_within_requests_host"] == pytest.approx(10 / 20)
+    # One generate of every prompt (no waves): no within-requests share.
+    whole = decode_runs.profiled_generate(llm, prompts, None, "cpu")
+    assert "gpu_idle_within_requests" not in whole
+    # Markers missing (three generates, two waves found): a note, no share.
+    three = decode_runs.profiled_generate(llm, prompts + prompts[:1], None, "cpu", batch_size=1)
+    assert "gpu_idle_within_requests" not in three
+    assert three["gpu_idle_within_requests_note"] == "2 waves of device work, 3 runs"
+
+
 def test_cli_registers_bench_decode():
     args = build_parser().parse_args(
         ["bench", "decode", "--model", "dummy:tiny", "--modes", "plain,mtp+overlap"]
