@@ -21,7 +21,6 @@ from tandem.bench.device_profile import (
     kernel_totals,
 )
 from tandem.cli import build_parser
-from tandem.tokenizer import Tokenizer
 
 
 def test_busy_fraction_overlapping_intervals_count_once():
@@ -218,15 +217,7 @@ def test_cli_registers_bench_decode():
     assert args.handler.__module__ == "tandem.bench.decode"
 
 
-def test_run_decode_bench_on_cpu(tmp_path, capsys, monkeypatch):
-    # Each mode builds its own engine; load the (borrowed) tokenizer once, not per engine.
-    loaded: dict[str, Tokenizer] = {}
-    load = Tokenizer.from_model_path
-    monkeypatch.setattr(
-        Tokenizer,
-        "from_model_path",
-        staticmethod(lambda path: loaded.get(path) or loaded.setdefault(path, load(path))),
-    )
+def test_run_decode_bench_on_cpu(tmp_path, capsys, tokenizer_loaded_once):
     results = run_decode_bench(
         "dummy:tiny",
         [1, 2],

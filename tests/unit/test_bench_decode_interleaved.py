@@ -7,7 +7,6 @@ import pytest
 from tandem.bench import decode_interleaved
 from tandem.bench.decode import parse_modes, run_decode_bench
 from tandem.bench.decode_interleaved import interleaved_steady, summarize_rounds
-from tandem.tokenizer import Tokenizer
 
 
 def _round(mode: str, index: int, rate: float) -> dict:
@@ -65,14 +64,7 @@ def test_rounds_alternate_the_order_of_the_modes(monkeypatch):
         interleaved_steady(engines, [], 64, 256, 0)
 
 
-def test_bench_decode_runs_the_steady_rows_in_rounds_on_cpu(tmp_path, monkeypatch):
-    loaded: dict[str, Tokenizer] = {}
-    load = Tokenizer.from_model_path
-    monkeypatch.setattr(
-        Tokenizer,
-        "from_model_path",
-        staticmethod(lambda path: loaded.get(path) or loaded.setdefault(path, load(path))),
-    )
+def test_bench_decode_runs_the_steady_rows_in_rounds_on_cpu(tmp_path, tokenizer_loaded_once):
     common = {
         "model": "dummy:tiny",
         "batch_sizes": [2],

@@ -13,7 +13,6 @@ from tandem.bench.datasets import BenchRequest
 from tandem.bench.decode import parse_modes, run_decode_bench
 from tandem.bench.decode_oracle import oracle_fields, oracle_mode, parse_rates, recorded_prompts
 from tandem.cli import build_parser
-from tandem.tokenizer import Tokenizer
 
 
 def test_rates_parse_and_the_documented_ones_give_acceptance_3_and_2():
@@ -66,14 +65,7 @@ def test_recording_match_counts_the_prefix_each_output_shares(monkeypatch):
     assert decode_runs._match_field([0, 0]) == {}
 
 
-def test_oracle_run_after_plain_decoding_on_cpu(tmp_path, monkeypatch):
-    loaded: dict[str, Tokenizer] = {}
-    load = Tokenizer.from_model_path
-    monkeypatch.setattr(
-        Tokenizer,
-        "from_model_path",
-        staticmethod(lambda path: loaded.get(path) or loaded.setdefault(path, load(path))),
-    )
+def test_oracle_run_after_plain_decoding_on_cpu(tmp_path, tokenizer_loaded_once):
     results = run_decode_bench(
         "dummy:tiny",
         [1, 2],
