@@ -12,7 +12,8 @@ repeated depths with the older causal mask; TEACHER_T=T distills from the base's
 at temperature T; FEATURES=1:15:29 gives the head fused features of those base layers
 (ending with the last; a continued head starts as it was); SELF=0 trains on ShareGPT alone
 (no generation); GEN_TEMPERATURE=T writes the replies sampled at temperature T (top-p 0.95,
-request i seeded with i) instead of greedily; HEAD_NAME names the head's directory under
+request i seeded with i + GEN_SEED_OFFSET, default 0: another offset, another set of replies)
+instead of greedily; HEAD_NAME names the head's directory under
 OUT_DIR (default `head`). `speed` is `tandem bench spec`'s run at batch 1 and 16 (with the
 non-speculative baseline)."""
 
@@ -73,7 +74,8 @@ if stage in ("all", "gen", "train"):
                 SamplingParams(
                     temperature=temperature,
                     top_p=0.95 if temperature else 1.0,
-                    seed=shard + shards * i,  # the prompt's index in DATA.pt
+                    # The prompt's index in DATA.pt, plus the offset of this set of replies.
+                    seed=shard + shards * i + int(os.environ.get("GEN_SEED_OFFSET", "0")),
                     max_tokens=8 if smoke else 256,
                 )
                 for i in range(len(shard_prompts))
@@ -87,6 +89,7 @@ if stage in ("all", "gen", "train"):
             "seconds": time.perf_counter() - started,
             "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
             "temperature": temperature,
+            "seed_offset": int(os.environ.get("GEN_SEED_OFFSET", "0")),
         }
         del llm
         name = f"self_generated_{shard}.pt" if "SHARD" in os.environ else "self_generated.pt"
