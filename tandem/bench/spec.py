@@ -11,6 +11,7 @@ acceptance rates and the tokens the head was trained on (from its ``mtp_config.j
 
 from __future__ import annotations
 
+import math
 import os
 
 from tandem.bench.datasets import SHAREGPT_HELD_OUT_FROM, iter_sharegpt, load_mtbench
@@ -164,12 +165,19 @@ def plot_study(results: dict, path: str) -> None:
     first = results["runs"][0]["batch_size"]
     runs = [r for r in results["runs"] if r["batch_size"] == first and r["training_tokens"]]
     fig, ax = plt.subplots(figsize=(6, 4))
+    placed: list[tuple[float, float]] = []  # (log10 tokens, length) of the labels so far
     for run in runs:
+        x, y = run["training_tokens"], run["mean_acceptance_length"]
         face = "C0" if run["training_tokens_complete"] else "none"
-        ax.scatter(run["training_tokens"], run["mean_acceptance_length"], color="C0", fc=face)
+        ax.scatter(x, y, color="C0", fc=face)
+        # A label near one already drawn goes a line lower for each such neighbour.
+        near = sum(abs(math.log10(x) - px) < 0.15 and abs(y - py) < 0.03 for px, py in placed)
+        placed.append((math.log10(x), y))
         ax.annotate(
             os.path.basename(str(run["head"]).rstrip("/")),
-            (run["training_tokens"], run["mean_acceptance_length"]),
+            (x, y),
+            xytext=(3, 2 - 9 * near),
+            textcoords="offset points",
             fontsize=7,
         )
     config = results["config"]
