@@ -44,6 +44,21 @@ def first_turns(dataset: str, num_prompts: int, sharegpt_skip: int = SHAREGPT_HE
     )
 
 
+def category_acceptance(llm, prompts: list, categories: list[str], params, k: int) -> dict:
+    """Each category's acceptance: its prompts as one ``generate`` (a category's rows
+    together, the batch its size), in first-seen order: ``{category: {"questions": n,
+    "mean_acceptance_length": ..., "acceptance_rate_per_position": [...]}}``."""
+    by_category: dict[str, list] = {}
+    for prompt, category in zip(prompts, categories, strict=True):
+        by_category.setdefault(category, []).append(prompt)
+    result = {}
+    for category, members in by_category.items():
+        before = llm.get_metrics()
+        timed_generate(llm, members, params, len(members))
+        result[category] = {"questions": len(members), **acceptance(before, llm.get_metrics(), k)}
+    return result
+
+
 def acceptance(before: dict, after: dict, k: int) -> dict:
     """Mean acceptance length (1 + accepted per draft run) and per-position rates."""
     drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
@@ -133,6 +148,10 @@ def run_spec_bench(
                 "speedup": (generated / seconds) / (base_tokens / base_seconds),
                 **acceptance(before, spec.get_metrics(), k),
             }
+            if dataset == "mtbench" and batch_size == batch_sizes[0]:
+                categories = [q.get("category", "?") for q in load_mtbench()[:num_questions]]
+                by_category = category_acceptance(spec, prompts, categories, params, k)
+                run["acceptance_by_category"] = by_category
             results["runs"].append(run)
             print(
                 f"head {head or '(default)'}, batch {batch_size}: {run['tokens_per_s']:.1f} "
@@ -141,6 +160,8 @@ def run_spec_bench(
                 f"{run['mean_acceptance_length']}, per position "
                 f"{run['acceptance_rate_per_position']}"
             )
+            for category, entry in run.get("acceptance_by_category", {}).items():
+                print(f"  {category}: {entry['mean_acceptance_length']:.3f}")
         spec.engine.shutdown()
         del spec
         if path:

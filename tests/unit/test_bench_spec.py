@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 from itertools import islice
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tandem.bench.datasets import iter_sharegpt
-from tandem.bench.spec import first_turns, run_spec_bench
+from tandem.bench.spec import category_acceptance, first_turns, run_spec_bench
 from tandem.models.mtp_files import HEAD_CONFIG_FILE, head_training_tokens
 from tandem.train.mtp_distill import TrainConfig, train_mtp
 
@@ -97,6 +98,64 @@ def test_a_study_of_two_heads_writes_json_and_png(tmp_path):
     # The trained head accepts more than a random one.
     assert shipped["mean_acceptance_length"] > dummy["mean_acceptance_length"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _DraftCountingLLM:
+    """Each generate drafts once per prompt and accepts as many tokens as the prompt's
+    first id says (the metrics a category's rows leave)."""
+
+    def __init__(self):
+        self.metrics = {
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_accepted_tokens": 0,
+            "spec_decode_num_accepted_tokens_per_pos": [0, 0],
+        }
+        self.batches = []
+        self.config = SimpleNamespace(device="cpu")
+
+    def get_metrics(self):
+        return {
+            **self.metrics,
+            "spec_decode_num_accepted_tokens_per_pos": list(
+                self.metrics["spec_decode_num_accepted_tokens_per_pos"]
+            ),
+        }
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.batches.append(len(prompts))
+        for prompt in prompts:
+            accepted = prompt["prompt_token_ids"][0]
+            self.metrics["spec_decode_num_drafts"] += 1
+            self.metrics["spec_decode_num_accepted_tokens"] += accepted
+            for position in range(accepted):
+                self.metrics["spec_decode_num_accepted_tokens_per_pos"][position] += 1
+        return []
+
+
+def test_acceptance_by_category_runs_each_category_as_one_batch():
+    llm = _DraftCountingLLM()
+    prompts = [{"prompt_token_ids": [n]} for n in (2, 0, 1, 2, 2)]
+    categories = ["writing", "writing", "math", "math", "coding"]
+    result = category_acceptance(llm, prompts, categories, None, 2)
+    assert list(result) == ["writing", "math", "coding"] and llm.batches == [2, 2, 1]
+    assert result["writing"]["questions"] == 2
+    assert result["writing"]["mean_acceptance_length"] == pytest.approx(1 + 2 / 2)
+    assert result["writing"]["acceptance_rate_per_position"] == pytest.approx([0.5, 0.5])
+    assert result["math"]["mean_acceptance_length"] == pytest.approx(1 + 3 / 2)
+    assert result["coding"]["acceptance_rate_per_position"] == pytest.approx([1.0, 1.0])
+
+
+def test_mtbench_study_reports_acceptance_by_category(tmp_path):
+    # MT-Bench lists ten questions a category: twelve are writing's ten and two of roleplay.
+    results = run_spec_bench(
+        None, ["dummy"], 2, [4], 12, 4, "cpu", None, str(tmp_path), dataset="mtbench"
+    )
+    (run,) = results["runs"]
+    by_category = run["acceptance_by_category"]
+    assert {c: e["questions"] for c, e in by_category.items()} == {"writing": 10, "roleplay": 2}
+    for entry in by_category.values():
+        assert 1.0 <= entry["mean_acceptance_length"] <= 3.0
+        assert len(entry["acceptance_rate_per_position"]) == 2
 
 
 def test_the_packaged_sharegpt_holds_out_enough_first_turns():
