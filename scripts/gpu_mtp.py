@@ -68,6 +68,7 @@ if stage in ("all", "gen", "train"):
         )
         shard_prompts = data["self_prompts"][shard::shards]
         temperature = float(os.environ.get("GEN_TEMPERATURE", "0"))
+        seed_offset = int(os.environ.get("GEN_SEED_OFFSET", "0"))
         outputs = llm.generate(
             [{"prompt_token_ids": p} for p in shard_prompts],
             [
@@ -75,7 +76,7 @@ if stage in ("all", "gen", "train"):
                     temperature=temperature,
                     top_p=0.95 if temperature else 1.0,
                     # The prompt's index in DATA.pt, plus the offset of this set of replies.
-                    seed=shard + shards * i + int(os.environ.get("GEN_SEED_OFFSET", "0")),
+                    seed=shard + shards * i + seed_offset,
                     max_tokens=8 if smoke else 256,
                 )
                 for i in range(len(shard_prompts))
@@ -89,7 +90,7 @@ if stage in ("all", "gen", "train"):
             "seconds": time.perf_counter() - started,
             "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
             "temperature": temperature,
-            "seed_offset": int(os.environ.get("GEN_SEED_OFFSET", "0")),
+            "seed_offset": seed_offset,
         }
         del llm
         name = f"self_generated_{shard}.pt" if "SHARD" in os.environ else "self_generated.pt"

@@ -172,12 +172,15 @@ def device_events(prof: Any) -> list[tuple[str, str, float, float]]:
 def device_intervals(prof: Any) -> tuple[list[tuple[float, float]], dict[str, int]]:
     """Intervals (microseconds) of the CUDA kernels, memcpys and memsets a finished
     ``torch.profiler.profile`` recorded, and the count of each activity type kept."""
+    return _intervals_and_counts(device_events(prof))
+
+
+def _intervals_and_counts(events: list[tuple[str, str, float, float]]):
+    """The ``(start, end)`` of ``device_events``' events, and the count per activity type."""
     counts: dict[str, int] = {}
-    intervals = []
-    for _, activity, start, end in device_events(prof):
-        intervals.append((start, end))
+    for _, activity, _, _ in events:
         counts[activity] = counts.get(activity, 0) + 1
-    return intervals, counts
+    return [(start, end) for _, _, start, end in events], counts
 
 
 def kernel_totals(prof: Any, top: int = 30) -> list[dict]:
@@ -217,7 +220,8 @@ def profile_generate(
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         step = batch_size or max(len(prompts), 1)
-        for i in range(0, max(len(prompts), 1), step):
+        starts = range(0, max(len(prompts), 1), step)
+        for i in starts:
             llm.generate(prompts[i : i + step], params, use_tqdm=False)
             if batch_size and device.startswith("cuda"):
                 torch.cuda._sleep(WAVE_MARKER_CYCLES)
@@ -231,21 +235,16 @@ def profile_generate(
     else:
         note = "the profiler recorded no CUDA kernel, memcpy or memset events"
     waves = wave_intervals(events)
-    intervals = [interval for wave in waves for interval in wave]
-    counts: dict[str, int] = {}
-    for name, activity, _, _ in events:
-        if WAVE_MARKER not in name:
-            counts[activity] = counts.get(activity, 0) + 1
+    intervals, counts = _intervals_and_counts([e for e in events if WAVE_MARKER not in e[0]])
     result: dict = {"wall_s": wall, "device_ops": len(intervals), "activity_counts": counts}
     if not intervals:
         return {**result, "note": note}
     window = (min(s for s, _ in intervals), max(e for _, e in intervals))
     busy = busy_fraction(intervals, window)
-    num_generates = len(range(0, max(len(prompts), 1), step))
-    if batch_size and len(waves) == num_generates:
+    if batch_size and len(waves) == len(starts):
         result["within_waves"] = within_waves(waves)
     elif batch_size:  # a wave without device work, or markers the profiler did not name so
-        result["within_waves_note"] = f"{len(waves)} waves of device work, {num_generates} runs"
+        result["within_waves_note"] = f"{len(waves)} waves of device work, {len(starts)} runs"
     return {
         **result,
         "window_us": window[1] - window[0],
