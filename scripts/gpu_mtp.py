@@ -141,6 +141,8 @@ if stage in ("all", "train"):
         chain_attention=os.environ.get("CHAIN", "1") == "1",
         teacher_temperature=float(os.environ.get("TEACHER_T", "1")),
         feature_layers=tuple(int(i) for i in os.environ.get("FEATURES", "").split(":") if i),
+        # Another seed draws other training rows: a call continuing from INIT_HEAD needs one.
+        seed=int(os.environ.get("TRAIN_SEED", "0")),
     )
     start = time.perf_counter()
     _, summary = train_mtp(

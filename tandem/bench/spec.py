@@ -186,20 +186,30 @@ def plot_study(results: dict, path: str) -> None:
     first = results["runs"][0]["batch_size"]
     runs = [r for r in results["runs"] if r["batch_size"] == first and r["training_tokens"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    placed: list[tuple[float, float]] = []  # (log10 tokens, length) of the labels so far
+    placed: list[tuple[float, float, int]] = []  # (log10 tokens, length, line) so far
+    logs = [math.log10(r["training_tokens"]) for r in runs]
+    right_side = min(logs, default=0) + 0.8 * (max(logs, default=0) - min(logs, default=0))
     for run in runs:
         x, y = run["training_tokens"], run["mean_acceptance_length"]
         face = "C0" if run["training_tokens_complete"] else "none"
         ax.scatter(x, y, color="C0", fc=face)
-        # A label near one already drawn goes a line lower for each such neighbour.
-        near = sum(abs(math.log10(x) - px) < 0.15 and abs(y - py) < 0.03 for px, py in placed)
-        placed.append((math.log10(x), y))
+        # A label near ones already drawn takes the first line below them that is free.
+        taken = {
+            row for px, py, row in placed if abs(math.log10(x) - px) < 0.2 and abs(y - py) < 0.05
+        }
+        near = min(set(range(len(taken) + 1)) - taken)
+        placed.append((math.log10(x), y, near))
+        # Labels of the rightmost points go on their left, inside the axes.
+        left = math.log10(x) > right_side
         ax.annotate(
             os.path.basename(str(run["head"]).rstrip("/")),
             (x, y),
-            xytext=(3, 2 - 9 * near),
+            xytext=(-4 if left else 3, 2 - 9 * near),
             textcoords="offset points",
+            ha="right" if left else "left",
             fontsize=7,
+            # A label moved off its point's line is tied to it by a thin line.
+            arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.5"} if near else None,
         )
     config = results["config"]
     ax.set_xscale("log")
