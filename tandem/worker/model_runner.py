@@ -32,6 +32,7 @@ from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
 from tandem.worker.spec_decode.hidden_cache import HiddenCache
 from tandem.worker.spec_decode.oracle_proposer import OracleProposer
+from tandem.worker.spec_decode.prompt_draft_graphs import PromptDraftGraphs
 from tandem.worker.spec_decode.proposer import MTPProposer
 
 
@@ -179,6 +180,11 @@ class ModelRunner:
                     self.proposer, k, max_model_len, self.config.scheduler.max_num_seqs, num_blocks
                 )
                 self.proposer.graphs.capture()
+            if self.mtp_head is not None and self.mtp_head.num_layers == 1:
+                self.proposer.prompt_graphs = PromptDraftGraphs(
+                    self.proposer, self.ragged_graphs, k
+                )
+                self.proposer.prompt_graphs.capture()
         if self.device.type == "cuda":
             self._warm_up_eager_steps(scratch_block=num_blocks)
 
@@ -217,7 +223,8 @@ class ModelRunner:
     def profile_peak_bytes(self) -> int:
         """Device memory a full step needs beyond the weights: a dry run of the largest
         prefill (``max_num_batched_tokens`` tokens) and its logits, measured on CUDA (twice
-        with CUDA graphs: the ragged steps' graphs keep a private pool as large), and with an
+        with CUDA graphs: the ragged steps' graphs keep a private pool as large; three times
+        with a one-layer MTP head's prompt graphs beside them), and with an
         MTP head the requests' device slots (``RequestSlots``)."""
         tokens = self.config.scheduler.max_num_batched_tokens
         blocks = -(-tokens // self.block_size)
@@ -251,8 +258,8 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows]).softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        if self.uses_cuda_graphs:
-            peak *= 2
+        if self.uses_cuda_graphs:  # the head's prompt graphs keep a third pool, no larger
+            peak *= 3 if self.mtp_head is not None and self.mtp_head.num_layers == 1 else 2
         del caches, hidden
         torch.cuda.empty_cache()
         if self.proposer is not None:  # the step pipeline's device slots, allocated later

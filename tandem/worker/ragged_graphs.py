@@ -90,6 +90,11 @@ class RaggedGraphRunner:
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
+        # What the buffers hold since the last ``run``: its batch, size and returned view
+        # (the head's depth 0 of a step drafted at launch reuses them: prompt_draft_graphs).
+        self.last_batch: RaggedBatch | None = None
+        self.last_size = 0
+        self.last_output: torch.Tensor | None = None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -160,4 +165,6 @@ class RaggedGraphRunner:
             graph, hidden = self.graphs[size]
             graph.replay()
         self.num_replays += 1
-        return hidden[: sum(batch.query_lens)]
+        self.last_batch, self.last_size = batch, size
+        self.last_output = hidden[: sum(batch.query_lens)]
+        return self.last_output

@@ -158,7 +158,12 @@ class MTPSteps:
         if gather:
             index = to_device(gather, torch.long, self.device)
             sampled = (fill, launched.sample.candidates.index_select(0, index))
-        proposal = self.runner.proposer.propose(rows, launched.hidden, sampling, sampled)
+        proposer = self.runner.proposer
+        graphs = getattr(proposer, "prompt_graphs", None)
+        if graphs is not None and graphs.applies(rows, launched.hidden, sampling):
+            proposal = graphs.propose(rows, launched.hidden, sampled)
+        else:
+            proposal = proposer.propose(rows, launched.hidden, sampling, sampled)
         launched.drafted, launched.hidden = proposal, None
         drafts = proposal.draft_token_ids
         full = [

@@ -67,6 +67,8 @@ class MTPProposer:
         self.head, self.model, self.kv_caches = head, model, kv_caches
         self.backend, self.block_size, self.device = backend, block_size, device
         self.graphs = None  # a DraftGraphRunner for depths >= 1 of greedy batches (CUDA)
+        # PromptDraftGraphs: depth 0 of a ragged step drafted at its launch (CUDA).
+        self.prompt_graphs = None
         # A head of several layers: layer L's output at every position, paged as the KV
         # cache (``HiddenCache``, one per layer but the last), which layer L + 1 reads one
         # position later (``stream_later_layers``).
