@@ -3,15 +3,20 @@
 buffers, then the argmax at each row's last token and the draft graphs for the later depths.
 Without a GPU it runs eagerly in Triton's interpreter in place of the replay, and must give
 what ``MTPProposer.propose`` gives: the same outputs, the same drafts (equal acceptance
-counts, position by position) and the same head KV at every block the requests used."""
+counts, position by position) and the same head KV at every block the requests used. On
+the GPU the captured graphs' replays are checked the same way (fp32, the shipped head)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from test_triton_engine import DEVICE, interpreter  # noqa: F401 (a fixture)
 
 from tandem import LLM, SamplingParams
+from tandem.bench.datasets import load_mtbench
+from tandem.models.loader import default_model_path
 from tandem.worker.ragged_graphs import RaggedGraphRunner
 from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
 from tandem.worker.spec_decode.prompt_draft_graphs import PromptDraftGraphs
@@ -83,8 +88,11 @@ def drafting_rows(monkeypatch):
     def checking(self, rows, target_hidden, sampled):
         got = propose(self, rows, target_hidden, sampled)
         proposer = self.proposer
-        slots = torch.tensor([proposer._slot(r.block_ids, p) for r in rows for p in r.positions])
         flat = proposer.kv_caches[0].flatten(1, 2)  # [2, blocks x block_size, heads, dim]
+        slots = torch.tensor(
+            [proposer._slot(r.block_ids, p) for r in rows for p in r.positions],
+            device=flat.device,
+        )
         got_kv = flat[:, slots].clone()
         greedy = SamplingParams(temperature=0.0)
         sampling = {r.request_id: (greedy, 0) for r in rows if r.num_drafts}
@@ -119,3 +127,34 @@ def test_sampled_rows_keep_the_eager_proposal(interpreter, drafting_rows):  # no
     # a sampled row's drafts are drawn with its keyed noise by ``propose``.
     assert replays > 0 and drafting_rows == []
     assert (tokens, accepted) == (want_tokens, want_accepted)
+
+
+@pytest.mark.gpu
+def test_replays_draft_what_propose_drafts_on_the_gpu(drafting_rows):
+    llm = LLM(
+        model=os.environ.get("TANDEM_MODEL") or default_model_path(),
+        device="cuda",
+        dtype="float32",
+        kv_cache_memory_gb=4,
+        max_num_seqs=4,
+        speculative="mtp",
+        num_speculative_tokens=3,
+    )
+    try:
+        graphs = llm.engine.runner.proposer.prompt_graphs
+        assert graphs is not None and graphs.graphs  # captured
+        prompts = [
+            llm.tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}])
+            for q in load_mtbench()[::7]
+        ][:12]
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+            use_tqdm=False,
+        )
+        # Twelve prompts through four rows: each joins beside decoding rows, drafted at
+        # launch by a replay that the fixture checked against ``propose``.
+        assert graphs.num_replays > 0 and drafting_rows
+        assert llm.engine.block_manager.all_blocks_free()
+    finally:
+        llm.engine.shutdown()
