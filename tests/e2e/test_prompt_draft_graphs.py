@@ -12,12 +12,12 @@ import os
 
 import pytest
 import torch
-from test_triton_engine import DEVICE, interpreter  # noqa: F401 (a fixture)
+from test_ragged_graphs import _engine as ragged_engine
+from test_triton_engine import interpreter  # noqa: F401 (a fixture)
 
 from tandem import LLM, SamplingParams
 from tandem.bench.datasets import load_mtbench
 from tandem.models.loader import default_model_path
-from tandem.worker.ragged_graphs import RaggedGraphRunner
 from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
 from tandem.worker.spec_decode.prompt_draft_graphs import PromptDraftGraphs
 
@@ -27,22 +27,11 @@ K = 2
 
 
 def _engine(prompt_graphs: bool) -> LLM:
-    llm = LLM(
-        model="dummy:tiny",
-        device=DEVICE,
-        dtype="float32",
-        attention_backend="triton",
-        enforce_eager=True,
-        max_num_seqs=4,
-        max_num_batched_tokens=48,
-        kv_cache_memory_gb=0.01,
-        speculative="mtp",
-        num_speculative_tokens=K,
-        speculative_model="dummy",
+    llm = ragged_engine(  # the ragged graphs' function attached, eagerly
+        True, speculative="mtp", num_speculative_tokens=K, speculative_model="dummy"
     )
     runner = llm.engine.runner
-    # The graphs' functions, eagerly (nothing captured): what a CUDA engine replays.
-    runner.ragged_graphs = RaggedGraphRunner(runner)
+    # The draft graphs' functions too, eagerly (nothing captured): what CUDA replays.
     runner.proposer.graphs = DraftGraphRunner(
         runner.proposer, K, runner.max_model_len, 4, runner.scratch_block
     )
