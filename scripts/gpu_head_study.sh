@@ -8,7 +8,8 @@
 #          one), each for TRAIN_S seconds (default 480;
 #          the time budget includes a minute for its MT-Bench acceptance):
 #          CONFIGS="name:VAR=V,VAR=V name2:..." with scripts/gpu_mtp.py's variables
-#          (NUM_LAYERS, CHAIN, SHAREGPT, SELF, SELF_REPEAT, INIT_HEAD, LR, TEACHER_T, FEATURES);
+#          (NUM_LAYERS, CHAIN, SHAREGPT, SELF, SELF_REPEAT, INIT_HEAD, LR, TEACHER_T, FEATURES,
+#          TRAIN_SEED);
 #          the heads go to
 #          OUT_DIR/NAME, the self-generated shards already in OUT_DIR are the replies
 #   spec   `tandem bench spec` over HEADS (comma-separated head directories) on the 80
