@@ -13,9 +13,10 @@ tables), so it reads the buffers the target's ragged graph (``ragged_graphs.py``
 replayed with, and is captured once per padded token count as that graph is: the head over
 the padded tokens (padding tokens write the head's KV to the scratch block, as the target's
 do), then the final norm, the logits and their argmax at each row's last token (a static
-index per row; padding rows read token 0 and are dropped). Depths 1..k-1 then replay the draft
-graphs (``draft_graphs.py``). It serves greedy drafting rows of a one-layer head whose rows
-all draft k tokens; anything else runs ``MTPProposer.propose``. On the CPU (tests) ``propose``
+index per row, as many rows as the size's tokens can hold; padding rows read token 0 and
+are dropped). Depths 1..k-1 then replay the draft graphs (``draft_graphs.py``). It serves
+greedy drafting rows of a one-layer head whose rows all draft k tokens; anything else runs
+``MTPProposer.propose``. On the CPU (tests) ``propose``
 computes the same function eagerly.
 """
 
@@ -62,8 +63,8 @@ class PromptDraftGraphs:
 
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured function: the head's layer over the first ``size`` tokens, then
-        the last token of each row's hidden state [max_rows, H] and greedy draft
-        [max_rows]."""
+        the last token of each row's hidden state [rows, H] and greedy draft [rows], for
+        as many rows as ``size`` tokens can hold (at most ``max_rows``)."""
         proposer = self.proposer
         layer = proposer.head.layers[0]
         hidden = layer(
@@ -74,7 +75,7 @@ class PromptDraftGraphs:
             self.ragged.metadata(size),
             proposer.backend,
         )
-        last = hidden.index_select(0, self.row_ends)
+        last = hidden.index_select(0, self.row_ends[: min(size, self.ragged.max_rows)])
         logits = proposer.model.compute_logits(layer.final_norm(last))
         return last, logits.argmax(dim=-1)
 
