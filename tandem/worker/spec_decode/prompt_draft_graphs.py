@@ -16,8 +16,7 @@ do), then the final norm, the logits and their argmax at each row's last token (
 index per row, as many rows as the size's tokens can hold; padding rows read token 0 and
 are dropped). Depths 1..k-1 then replay the draft graphs (``draft_graphs.py``). It serves
 greedy drafting rows of a one-layer head whose rows all draft k tokens; anything else runs
-``MTPProposer.propose``. On the CPU (tests) ``propose``
-computes the same function eagerly.
+``MTPProposer.propose``. On the CPU (tests) ``propose`` computes the same function eagerly.
 """
 
 from __future__ import annotations
