@@ -15,9 +15,8 @@ at temperature T; FEATURES=1:15:29 gives the head fused features of those base l
 request i seeded with i + GEN_SEED_OFFSET, default 0: another offset, another set of replies)
 instead of greedily; TRAIN_SEED=N seeds the rows training draws (default 0: a call
 continuing a head needs another, or it draws the rows the call before drew); HEAD_NAME names
-the head's directory under
-OUT_DIR (default `head`). `speed` is `tandem bench spec`'s run at batch 1 and 16 (with the
-non-speculative baseline)."""
+the head's directory under OUT_DIR (default `head`). `speed` is `tandem bench spec`'s run at
+batch 1 and 16 (with the non-speculative baseline)."""
 
 import json
 import os

@@ -258,7 +258,9 @@ class ModelRunner:
         self.model.compute_logits(hidden[:rows]).softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        if self.uses_cuda_graphs:  # the head's prompt graphs keep a third pool, no larger
+        # The head's prompt graphs keep a third pool: one layer over the same tokens and
+        # the logits of at most max_num_seqs rows, so at most the peak (an estimate).
+        if self.uses_cuda_graphs:
             peak *= 3 if self.mtp_head is not None and self.mtp_head.num_layers == 1 else 2
         del caches, hidden
         torch.cuda.empty_cache()

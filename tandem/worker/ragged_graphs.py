@@ -90,10 +90,9 @@ class RaggedGraphRunner:
         )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
-        # What the buffers hold since the last ``run``: its batch, size and returned view
-        # (the head's depth 0 of a step drafted at launch reuses them: prompt_draft_graphs).
+        # What the buffers hold since the last ``run``: its batch and returned view (the
+        # head's depth 0 of a step drafted at launch reuses them: prompt_draft_graphs).
         self.last_batch: RaggedBatch | None = None
-        self.last_size = 0
         self.last_output: torch.Tensor | None = None
 
     @torch.inference_mode()
@@ -165,6 +164,6 @@ class RaggedGraphRunner:
             graph, hidden = self.graphs[size]
             graph.replay()
         self.num_replays += 1
-        self.last_batch, self.last_size = batch, size
+        self.last_batch = batch
         self.last_output = hidden[: sum(batch.query_lens)]
         return self.last_output

@@ -85,6 +85,9 @@ def drafting_rows(monkeypatch):
         got_kv = flat[:, slots].clone()
         greedy = SamplingParams(temperature=0.0)
         sampling = {r.request_id: (greedy, 0) for r in rows if r.num_drafts}
+        # Hidden states that are not the ragged graph's last output: its buffers may hold
+        # another step, so the graph path must refuse them.
+        assert not self.applies(rows, target_hidden.clone(), sampling)
         want = proposer.propose(rows, target_hidden.clone(), sampling, sampled)
         torch.testing.assert_close(got_kv, flat[:, slots], atol=1e-5, rtol=1e-5)
         assert got.draft_token_ids.keys() == want.draft_token_ids.keys()

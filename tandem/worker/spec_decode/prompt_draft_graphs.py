@@ -36,6 +36,10 @@ class PromptDraftGraphs:
     padded size of ``ragged``."""
 
     def __init__(self, proposer: MTPProposer, ragged: RaggedGraphRunner, num_drafts: int):
+        if proposer.head.num_layers != 1:  # later layers read hidden caches: ``propose``
+            raise ValueError(
+                f"prompt draft graphs need a one-layer head, not {proposer.head.num_layers}"
+            )
         self.proposer, self.ragged, self.num_drafts = proposer, ragged, num_drafts
         model = proposer.model
         device = ragged.input_ids.device
@@ -86,14 +90,17 @@ class PromptDraftGraphs:
         batch = ragged.last_batch
         if batch is None or ragged.last_output is not target_hidden:
             return False
-        if proposer.head.num_layers != 1 or len(rows) != len(batch.query_lens):
+        if len(rows) != len(batch.query_lens):
             return False
         start = 0
         for row, query_len, seq_len in zip(rows, batch.query_lens, batch.seq_lens, strict=True):
+            # A row's positions and hidden rows run consecutively (``MTPSteps._head_row``):
+            # their count and ends tell whether they are the batch row's.
             if (
                 len(row.positions) != query_len
                 or row.positions[-1] + 1 != seq_len
-                or row.hidden_rows != list(range(start, start + query_len))
+                or row.hidden_rows[0] != start
+                or row.hidden_rows[-1] != start + query_len - 1
             ):
                 return False
             start += query_len
@@ -116,18 +123,23 @@ class PromptDraftGraphs:
     ) -> Proposal:
         """``MTPProposer.propose`` for rows that ``applies`` accepts: the head's KV at every
         row position, and the drafting rows' k drafts (device tensors). The host never
-        waits here."""
-        size, num_tokens = self.ragged.last_size, target_hidden.shape[0]
-        copy_to(self.next_ids[:num_tokens], [t for row in rows for t in row.next_tokens])
-        if sampled is not None:
-            index = to_device(sampled[0], torch.long, self.next_ids.device)
-            self.next_ids.index_copy_(0, index, sampled[1])
-        self.target_hidden[:num_tokens].copy_(target_hidden)
+        waits here, and its work is per row: within a row each position's next token is
+        the step's own next input token, copied on the device; only the rows' last
+        positions take theirs from the host (or from ``sampled``)."""
+        ragged, num_tokens = self.ragged, target_hidden.shape[0]
+        size = ragged.padded_size(ragged.last_batch)
         ends, end = [], -1
         for row in rows:
             end += len(row.positions)
             ends.append(end)
         copy_to(self.row_ends, ends + [0] * (self.row_ends.shape[0] - len(ends)))
+        self.next_ids[: num_tokens - 1].copy_(ragged.input_ids[1:num_tokens])
+        device = self.next_ids.device
+        last_tokens = to_device([row.next_tokens[-1] for row in rows], torch.long, device)
+        self.next_ids.index_copy_(0, self.row_ends[: len(rows)], last_tokens)
+        if sampled is not None:
+            self.next_ids.index_copy_(0, to_device(sampled[0], torch.long, device), sampled[1])
+        self.target_hidden[:num_tokens].copy_(target_hidden)
         if self.graphs:
             graph, (last, tokens) = self.graphs[size]
             graph.replay()
@@ -142,13 +154,7 @@ class PromptDraftGraphs:
         first, hidden = tokens.index_select(0, index), last.index_select(0, index)
         drafts = first.unsqueeze(1)
         if self.num_drafts > 1:
-            later = self.proposer.graphs.run(
-                [rows[i].positions[-1] for i in drafting],
-                [rows[i].block_ids for i in drafting],
-                first,
-                hidden,
-            )
-            drafts = torch.cat([drafts, later], dim=1)  # a copy: the graphs' buffers move on
+            drafts = self.proposer.graphed_drafts([rows[i] for i in drafting], first, hidden)
         for row_index, draft in zip(drafting, drafts, strict=True):
             proposal.draft_token_ids[rows[row_index].request_id] = draft
         return proposal

@@ -275,13 +275,7 @@ class MTPProposer:
             tokens_per_depth.append(tokens)
             probs_per_depth.append(probs)
         if graphed:
-            later = graphs.run(
-                [r.positions[-1] for r in drafting_rows],
-                [r.block_ids for r in drafting_rows],
-                tokens_per_depth[0],
-                hidden,
-            )
-            drafts = torch.cat([tokens_per_depth[0].unsqueeze(1), later], dim=1)  # a copy
+            drafts = self.graphed_drafts(drafting_rows, tokens_per_depth[0], hidden)
         else:
             drafts = torch.stack(tokens_per_depth, dim=1)  # [rows, max_depth]
         for index, row in enumerate(drafting_rows):
@@ -291,6 +285,17 @@ class MTPProposer:
                     [p[index] for p in probs_per_depth[: row.num_drafts]]
                 )
         return proposal
+
+    def graphed_drafts(
+        self, rows: list[ProposalRow], first: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """The k drafts [rows, k] of drafting ``rows`` whose greedy depth-0 drafts ``first``
+        and depth-0 hidden states ``hidden`` are known: depths 1..k-1 by the draft graphs'
+        replay after each row's last kept position (a copy: the graphs' buffers move on)."""
+        later = self.graphs.run(
+            [r.positions[-1] for r in rows], [r.block_ids for r in rows], first, hidden
+        )
+        return torch.cat([first.unsqueeze(1), later], dim=1)
 
     def propose_uniform(
         self,
