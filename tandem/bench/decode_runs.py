@@ -50,8 +50,9 @@ def profiled_generate(
     llm: Any, prompts: list[dict], params: Any, device: str, batch_size: int | None = None
 ) -> dict:
     """Run the prompts once more under the CUDA profiler (in waves of ``batch_size``, one
-    ``generate`` each); returns the GPU idle numbers."""
-    profiled = profile_generate(llm, prompts, params, device, top=0, batch_size=batch_size)
+    ``generate`` each); returns the GPU idle numbers and the device operations that took
+    the most time, with their counts (what a step launches)."""
+    profiled = profile_generate(llm, prompts, params, device, top=40, batch_size=batch_size)
     result: dict = {
         "profile_wall_s": profiled["wall_s"],
         "profile_device_events": profiled["device_ops"],
@@ -77,6 +78,7 @@ def profiled_generate(
         "gpu_idle_by_gap": profiled["idle_by_gap"],
         "profile_window_s": profiled["window_us"] / 1e6,
         "profile_busy_s": profiled["busy_us"] / 1e6,
+        "top_device_ops": profiled["top"],
     }
 
 

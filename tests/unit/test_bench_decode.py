@@ -168,6 +168,12 @@ def test_profiled_generate_idle_fraction(monkeypatch):
     assert result["profile_window_s"] == pytest.approx(1e-5)
     assert result["profile_device_events"] == 3 and result["profile_wall_s"] >= 0
     assert "profiler_note" not in result
+    # What a step launches: the ops ranked by total time, with their counts.
+    assert [(op["name"], op["count"], op["total_us"]) for op in result["top_device_ops"]] == [
+        ("k3", 1, 5.0),
+        ("k1", 1, 2.0),
+        ("k2", 1, 2.0),
+    ]
 
     monkeypatch.setattr(torch.profiler, "profile", lambda activities: _FakeProfile([]))
     result = decode_runs.profiled_generate(llm, [], None, "cpu")
