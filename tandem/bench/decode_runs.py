@@ -119,6 +119,7 @@ def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
         "steps_parts_after_read",
         "steps_resolved",
         "steps_resolved_in_graphs",
+        "ragged_drafts_in_graphs",
         "host_launch_s",
         "host_ragged_launch_s",
         "host_wait_s",
@@ -130,11 +131,14 @@ def _snapshot(llm: Any) -> dict:
     """The engine's metrics and how many MTP steps so far launched rows before the read of
     the step in front (resolved rows; joining prompts) or had a part that waited for it, and
     how many resolved parts ran, and of those how many replayed a CUDA graph (the rest ran
-    eagerly: no graph for their size, or the slots' storage grew since the capture), and
+    eagerly: no graph for their size, or the slots' storage grew since the capture), how
+    many ragged parts drafted through the prompt draft graphs (``prompt_draft_graphs``), and
     the host's seconds in launches (and of those, in ragged parts) and in waits for the
     device."""
     pipeline = llm.engine.pipeline
     graphs = pipeline.mtp.step_graphs if pipeline.mtp is not None else None
+    proposer = llm.engine.runner.proposer
+    prompt_graphs = getattr(proposer, "prompt_graphs", None)
     return {
         **llm.get_metrics(),
         "steps_launched_ahead": pipeline.num_launched_ahead,
@@ -142,6 +146,7 @@ def _snapshot(llm: Any) -> dict:
         "steps_parts_after_read": pipeline.num_parts_after_read,
         "steps_resolved": pipeline.num_resolved_steps,
         "steps_resolved_in_graphs": graphs.num_replays if graphs is not None else 0,
+        "ragged_drafts_in_graphs": prompt_graphs.num_replays if prompt_graphs else 0,
         "host_launch_s": pipeline.launch_seconds,  # preparing and queueing steps
         "host_ragged_launch_s": pipeline.ragged_launch_seconds,  # of it, MTP ragged parts
         "host_wait_s": pipeline.reader.wait_seconds,  # waiting for the device at reads

@@ -286,8 +286,14 @@ class _CountingLLM:
             ragged_launch_seconds=0.0,
             reader=SimpleNamespace(wait_seconds=0.0),
         )
+        runner = SimpleNamespace(
+            proposer=SimpleNamespace(prompt_graphs=SimpleNamespace(num_replays=0))
+        )
         self.engine = SimpleNamespace(
-            arch=SimpleNamespace(vocab_size=1000), max_model_len=max_model_len, pipeline=pipeline
+            arch=SimpleNamespace(vocab_size=1000),
+            max_model_len=max_model_len,
+            pipeline=pipeline,
+            runner=runner,
         )
         self.tokenizer = SimpleNamespace(
             apply_chat_template=lambda messages: [1, 2] + [7] * len(messages[0]["content"])
@@ -315,6 +321,7 @@ class _CountingLLM:
         pipeline.num_parts_after_read += 1
         pipeline.num_resolved_steps += max(drafts - 1, 0)  # all but one of them in a graph
         pipeline.mtp.step_graphs.num_replays += max(drafts - 2, 0)
+        self.engine.runner.proposer.prompt_graphs.num_replays += 1 if drafts else 0  # its prompt
         pipeline.launch_seconds += seconds / 4  # a quarter of the time in launches, half waits
         pipeline.ragged_launch_seconds += seconds / 8  # half the launches' time in ragged parts
         pipeline.reader.wait_seconds += seconds / 2
@@ -338,6 +345,7 @@ def test_questions_row_sums_tokens_and_seconds_and_lists_each_acceptance(monkeyp
     assert run["steps_launched_ahead"] == 132 and run["steps_parts_after_read"] == 3
     assert run["steps_prompts_ahead"] == 0
     assert run["steps_resolved"] == 132 and run["steps_resolved_in_graphs"] == 129
+    assert run["ragged_drafts_in_graphs"] == 3
     assert run["host_launch_s"] == pytest.approx(1.0) and run["host_wait_s"] == pytest.approx(2.0)
     assert run["host_ragged_launch_s"] == pytest.approx(0.5)
     assert [q["question_id"] for q in run["per_question"]] == [81, 82, 83]

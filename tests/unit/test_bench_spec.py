@@ -37,7 +37,7 @@ def test_training_tokens_from_head_configs(tmp_path):
     assert head_training_tokens(str(tmp_path / "missing")) == (None, False)
     assert head_training_tokens(None) == (None, False)
     # The shipped head records its whole lineage (mtp_config.json: total_tokens).
-    assert head_training_tokens(SHIPPED_HEAD) == (46_577 * 32 * 256, True)
+    assert head_training_tokens(SHIPPED_HEAD) == (49_028 * 32 * 256, True)
 
 
 def test_train_mtp_records_the_tokens_it_saw(tmp_path):
@@ -88,7 +88,7 @@ def test_a_study_of_two_heads_writes_json_and_png(tmp_path):
     written = json.loads(open(results["output_path"]).read())
     assert written["config"]["dataset"] == "sharegpt" and written["config"]["sharegpt_skip"] == 20
     shipped, dummy = written["runs"]
-    assert shipped["head"] == SHIPPED_HEAD and shipped["training_tokens"] == 46_577 * 32 * 256
+    assert shipped["head"] == SHIPPED_HEAD and shipped["training_tokens"] == 49_028 * 32 * 256
     assert dummy["training_tokens"] is None
     for run in (shipped, dummy):
         assert len(run["acceptance_rate_per_position"]) == 2
