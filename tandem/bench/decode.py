@@ -99,7 +99,10 @@ class EngineSpec:
 
 
 def _release_memory(device: str) -> None:
-    """Collect a dropped engine and give its GPU memory back before the next is built."""
+    """Collect a dropped engine and give its GPU memory back before the next is built. Shut
+    the engine down before dropping it: ``shutdown`` frees its KV cache and graphs and thaws
+    the GC heap the engine froze at start-up on CUDA, without which its reference cycles are
+    never collected and the next engine finds the GPU full."""
     gc.collect()
     if device.startswith("cuda"):
         import torch
@@ -250,6 +253,7 @@ def run_decode_bench(
             llm = engines.build(MODE_NAMES["overlap"])
             rows.sample_steady(llm)
             recordings = record_rows(llm, "overlap", rows, k, results["config"])
+            llm.engine.shutdown()
             del llm
             _release_memory(device)
         llm = engines.build(mode)
@@ -273,6 +277,7 @@ def run_decode_bench(
             _record(run, results, path)
         if rates and recordings is None and not mode["mtp"]:
             recordings = record_rows(llm, mode_name(mode), rows, k, results["config"])
+        llm.engine.shutdown()
         del llm
         _release_memory(device)
     if steady_rounds > 1 and rows.steady:
@@ -303,6 +308,8 @@ def _interleaved_rows(engines, modes, rows, k, rounds, warmup, results, path) ->
         _record(run, results, path)
     results["steady_rounds"] = summarize_rounds(made, [name for name, _, _ in built])
     results["steady_rounds"]["kv_cache_memory_gb_each"] = kv_gb
+    for _, llm, _ in built:
+        llm.engine.shutdown()
     del built, llm
     _release_memory(engines.device)
 

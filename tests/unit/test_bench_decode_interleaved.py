@@ -7,6 +7,7 @@ import pytest
 from tandem.bench import decode_interleaved
 from tandem.bench.decode import parse_modes, run_decode_bench
 from tandem.bench.decode_interleaved import interleaved_steady, summarize_rounds
+from tandem.core.engine_core import EngineCore
 
 
 def _round(mode: str, index: int, rate: float) -> dict:
@@ -64,7 +65,17 @@ def test_rounds_alternate_the_order_of_the_modes(monkeypatch):
         interleaved_steady(engines, [], 64, 256, 0)
 
 
-def test_bench_decode_runs_the_steady_rows_in_rounds_on_cpu(tmp_path, tokenizer_loaded_once):
+def test_bench_decode_runs_the_steady_rows_in_rounds_on_cpu(
+    tmp_path, monkeypatch, tokenizer_loaded_once
+):
+    shut_down = []
+    shutdown = EngineCore.shutdown
+
+    def counting_shutdown(engine):
+        shut_down.append(engine)
+        shutdown(engine)
+
+    monkeypatch.setattr(EngineCore, "shutdown", counting_shutdown)
     common = {
         "model": "dummy:tiny",
         "batch_sizes": [2],
@@ -79,6 +90,9 @@ def test_bench_decode_runs_the_steady_rows_in_rounds_on_cpu(tmp_path, tokenizer_
     with pytest.raises(ValueError, match="steady_rounds must be >= 1, got 0"):
         run_decode_bench(**common, steady_rounds=0)
     results = run_decode_bench(**common, steady_rounds=3)
+    # Every engine it built was shut down (its memory and frozen GC heap given back) before
+    # the next: one per mode for the per-engine rows, then both interleaved ones.
+    assert len(shut_down) == 4 and len({id(engine) for engine in shut_down}) == 4
     runs = results["runs"]
     # The per-engine rows have no steady row; the rounds follow, alternating.
     assert [(r["mode"], r["kind"], r.get("round")) for r in runs] == [
