@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from tandem.bench.decode_interleaved import (
@@ -53,12 +52,11 @@ def parse_modes(text: str) -> list[dict]:
 
 def mode_name(mode: dict) -> str:
     """The name of a mode dict (``plain``, ``overlap``, ``mtp`` or ``mtp+overlap``)."""
-    if mode["mtp"]:
-        return "mtp+overlap" if mode["overlap"] else "mtp"
-    return "overlap" if mode["overlap"] else "plain"
+    flags = {"overlap": mode["overlap"], "mtp": mode["mtp"]}
+    return next(name for name, named in MODE_NAMES.items() if named == flags)
 
 
-@dataclass
+@dataclasses.dataclass
 class EngineSpec:
     """How each mode's engine is built (beside its mode)."""
 
@@ -81,11 +79,8 @@ class EngineSpec:
                 speculative="oracle", num_speculative_tokens=k, oracle_corruption=mode["oracle"]
             )
         elif mode["mtp"]:
-            extra.update(
-                speculative="mtp",
-                num_speculative_tokens=k,
-                speculative_model=self.speculative_model,
-            )
+            extra.update(speculative="mtp", num_speculative_tokens=k)
+            extra["speculative_model"] = self.speculative_model
         if self.kv_cache_memory_gb is not None:
             extra["kv_cache_memory_gb"] = self.kv_cache_memory_gb
         return LLM(
@@ -98,11 +93,12 @@ class EngineSpec:
         )
 
 
-def _release_memory(device: str) -> None:
-    """Collect a dropped engine and give its GPU memory back before the next is built. Shut
-    the engine down before dropping it: ``shutdown`` frees its KV cache and graphs and thaws
-    the GC heap the engine froze at start-up on CUDA, without which its reference cycles are
-    never collected and the next engine finds the GPU full."""
+def _shut_down(llms: list, device: str) -> None:
+    """Shut the engines down and give their GPU memory back before the next is built:
+    ``shutdown`` frees the KV cache and graphs and thaws the GC heap an engine freezes at
+    start-up on CUDA, without which a dropped engine's cycles are never collected."""
+    for llm in llms:
+        llm.engine.shutdown()
     gc.collect()
     if device.startswith("cuda"):
         import torch
@@ -253,9 +249,8 @@ def run_decode_bench(
             llm = engines.build(MODE_NAMES["overlap"])
             rows.sample_steady(llm)
             recordings = record_rows(llm, "overlap", rows, k, results["config"])
-            llm.engine.shutdown()
+            _shut_down([llm], device)
             del llm
-            _release_memory(device)
         llm = engines.build(mode)
         if oracle:
             llm.engine.runner.proposer.set_recordings(recordings)
@@ -277,9 +272,8 @@ def run_decode_bench(
             _record(run, results, path)
         if rates and recordings is None and not mode["mtp"]:
             recordings = record_rows(llm, mode_name(mode), rows, k, results["config"])
-        llm.engine.shutdown()
+        _shut_down([llm], device)
         del llm
-        _release_memory(device)
     if steady_rounds > 1 and rows.steady:
         _interleaved_rows(engines, modes, rows, k, steady_rounds, warmup, results, path)
     if path:
@@ -308,10 +302,8 @@ def _interleaved_rows(engines, modes, rows, k, rounds, warmup, results, path) ->
         _record(run, results, path)
     results["steady_rounds"] = summarize_rounds(made, [name for name, _, _ in built])
     results["steady_rounds"]["kv_cache_memory_gb_each"] = kv_gb
-    for _, llm, _ in built:
-        llm.engine.shutdown()
+    _shut_down([llm for _, llm, _ in built], engines.device)
     del built, llm
-    _release_memory(engines.device)
 
 
 def add_cli_arguments(parser) -> None:
