@@ -53,6 +53,7 @@ REFUSED_CHAT = frozenset(
         "metadata",
         "service_tier",
         "reasoning_effort",
+        "verbosity",
         "web_search_options",
         "echo",
         "continue_final_message",
@@ -77,6 +78,7 @@ UNSUPPORTED_CHAT = MappingProxyType(
         "modalities": (None, ["text"]),
         "audio": (None,),
         "prediction": (None,),
+        "best_of": (None, 1),  # vLLM's legacy field: one sample a choice is all it can ask
     }
 )
 
@@ -288,6 +290,7 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
+    best_of: int | None = None
 
     @staticmethod
     def _unsupported() -> MappingProxyType:

@@ -176,9 +176,11 @@ def _raw_marker(value):
 
 
 def unknown_field_cases(path: str) -> list[Case]:
-    """Fields no model declares: vLLM's that Tandem does not implement are refused naming
-    them, made-up ones ignored (as vLLM does), a name that is not valid Unicode refused."""
+    """Fields no model declares: OpenAI's and vLLM's that Tandem does not implement are
+    refused naming them, made-up ones ignored (as vLLM does), a name that is not valid
+    Unicode refused."""
     refused = ("length_penalty", "guided_json", "add_special_tokens")
+    refused += ("verbosity",) if path == CHAT else ()
     cases = [Case(f"{path}-unknown-{n}", path, _with(path, **{n: 1}), "reject", n) for n in refused]
     cases += [
         Case(f"{path}-unknown-{_short(n)}", path, _with(path, **{n: 1}), "ok")
