@@ -1,0 +1,24 @@
+# Sourced from the repository root at the start of every device call on a bare GPU machine:
+# gathers the parts scripts/device_pack.py packed (the folders .gpu1 to .gpu3, one carried a
+# call) under /tmp/stage, which lasts while the machine stays warm; once a file's parts are
+# all there it is joined, the wheels installed (once), and MODEL, SHAREGPT_JSON and
+# MTBENCH_JSONL exported for scripts/gpu_bench.sh and scripts/gpu_head_study.sh
+# (DEVICE_STAGE: another place than /tmp/stage).
+stage=${DEVICE_STAGE:-/tmp/stage}
+mkdir -p "$stage"
+for folder in .gpu1 .gpu2 .gpu3; do
+  [ -d "$folder" ] && cp -r "$folder"/. "$stage"/
+done
+for name in SmolLM2-135M-Instruct.Q4_1.gguf sharegpt.json; do
+  parts=$(ls "$stage/$name".part[0-9] 2>/dev/null | wc -l)
+  want=3; [ "$name" = sharegpt.json ] && want=2
+  if [ ! -f "$stage/$name" ] && [ "$parts" -eq "$want" ]; then
+    cat "$stage/$name".part[0-9] > "$stage/$name" && echo "joined $name"
+  fi
+done
+if [ -d "$stage/wheels" ] && [ ! -f "$stage/.installed" ]; then
+  python3 -m pip install -q --no-deps "$stage"/wheels/*.whl && touch "$stage/.installed"
+fi
+export MODEL=$stage/SmolLM2-135M-Instruct.Q4_1.gguf SHAREGPT_JSON=$stage/sharegpt.json
+export MTBENCH_JSONL=$stage/question.jsonl
+ls "$MODEL" "$SHAREGPT_JSON" 2>/dev/null || echo "not all parts staged yet"
