@@ -125,7 +125,8 @@ def _print_run(run: dict) -> None:
         + ("n/a" if idle is None else f"{idle:.1%}")
     )
     if run.get("gpu_idle_by_gap"):
-        line += f" (waiting for the host {run['gpu_idle_by_gap']['host']:.1%})"
+        line += f" (waiting for the host {run['gpu_idle_by_gap']['host']:.1%}"
+        line += f"; unprofiled, est. {run['gpu_idle_unprofiled_estimate']:.1%})"
     if run.get("mean_acceptance_length") is not None:
         line += f", mean acceptance length {run['mean_acceptance_length']:.3f}"
     if run.get("expected_acceptance_length") is not None:

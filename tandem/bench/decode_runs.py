@@ -47,11 +47,21 @@ def mtbench_prompts(llm: Any, count: int) -> list[dict]:
 
 
 def profiled_generate(
-    llm: Any, prompts: list[dict], params: Any, device: str, batch_size: int | None = None
+    llm: Any,
+    prompts: list[dict],
+    params: Any,
+    device: str,
+    timed_s: float | None = None,
+    batch_size: int | None = None,
 ) -> dict:
     """Run the prompts once more under the CUDA profiler (in waves of ``batch_size``, one
     ``generate`` each); returns the GPU idle numbers and the device operations that took
-    the most time, with their counts (what a step launches)."""
+    the most time, with their counts (what a step launches). The profiler's tracing widens
+    the gaps between kernels (the profiled run is slower), so ``timed_s``, when given, the
+    same prompts' seconds without it, gives a second figure: ``gpu_idle_unprofiled_estimate``,
+    one minus the traced device busy time over those seconds (it takes the kernels'
+    traced durations as their own and counts the generates' host work around the steps
+    as idle; below 0, the traced kernels outlasted the unprofiled run and it says nothing)."""
     profiled = profile_generate(llm, prompts, params, device, top=40, batch_size=batch_size)
     result: dict = {
         "profile_wall_s": profiled["wall_s"],
@@ -71,6 +81,8 @@ def profiled_generate(
         result["gpu_idle_within_requests_host"] = within["host_fraction"]
     elif "within_waves_note" in profiled:
         result["gpu_idle_within_requests_note"] = profiled["within_waves_note"]
+    if timed_s:
+        result["gpu_idle_unprofiled_estimate"] = 1.0 - profiled["busy_us"] / 1e6 / timed_s
     return {
         **result,
         "gpu_idle_fraction": 1.0 - profiled["busy_fraction"],
@@ -182,7 +194,7 @@ def fixed_run(
         **_match_field(tally),
     }
     if device.startswith("cuda"):
-        run.update(profiled_generate(llm, prompts, params, device))
+        run.update(profiled_generate(llm, prompts, params, device, seconds))
     else:
         run["gpu_idle_fraction"] = None
     return run
@@ -249,7 +261,8 @@ def questions_run(
             if profiled == num_questions
             else f"the first {profiled} of the {num_questions} questions, run again one by one"
         )
-        run.update(profiled_generate(llm, prompts[:profiled], params, device, batch_size=1))
+        timed = sum(entry["seconds"] for entry in per_question[:profiled])
+        run.update(profiled_generate(llm, prompts[:profiled], params, device, timed, 1))
     else:
         run["gpu_idle_fraction"] = None
     return run

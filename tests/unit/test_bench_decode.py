@@ -165,6 +165,7 @@ def test_profiled_generate_idle_fraction(monkeypatch):
     llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm: [])
     result = decode_runs.profiled_generate(llm, [], None, "cpu")
     assert result["gpu_idle_fraction"] == pytest.approx(0.2)
+    assert "gpu_idle_unprofiled_estimate" not in result  # no unprofiled seconds given
     assert result["profile_window_s"] == pytest.approx(1e-5)
     assert result["profile_device_events"] == 3 and result["profile_wall_s"] >= 0
     assert "profiler_note" not in result
@@ -205,6 +206,12 @@ def test_profiled_questions_idle_within_each_generate(monkeypatch):
     assert result["gpu_idle_fraction"] == pytest.approx(1 - 9.5 / 120)
     assert result["gpu_idle_within_requests"] == pytest.approx(10.5 / 20)
     assert result["gpu_idle_within_requests_host"] == pytest.approx(10 / 20)
+    # The same questions took 25 us unprofiled: 9.5 us busy leaves 62% of it idle; a
+    # profiled busy time longer than the unprofiled run reads below 0 (no estimate).
+    timed = decode_runs.profiled_generate(llm, prompts, None, "cpu", 25e-6, batch_size=1)
+    assert timed["gpu_idle_unprofiled_estimate"] == pytest.approx(1 - 9.5 / 25)
+    faster = decode_runs.profiled_generate(llm, prompts, None, "cpu", 5e-6, batch_size=1)
+    assert faster["gpu_idle_unprofiled_estimate"] == pytest.approx(1 - 9.5 / 5)
     # One generate of every prompt (no waves): no within-requests share.
     whole = decode_runs.profiled_generate(llm, prompts, None, "cpu")
     assert "gpu_idle_within_requests" not in whole
