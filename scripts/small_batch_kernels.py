@@ -1,0 +1,136 @@
+"""On a GPU: two batch-1 kernels of SmolLM2's MTP step that another launch could drop or
+shorten, each timed the way a step's CUDA graph runs it (``REPEATS`` launches captured in
+one graph, the replay timed with events: the gaps between kernels included):
+
+- paged attention, 9 query and 3 KV heads of 64, one request with 1 or 4 query rows over
+  contexts of 128 to 4,096 keys: the split count the engine picks (flash-decoding: the
+  split kernel and its combination, two launches) against one split (one launch);
+- the vocabulary argmax of 1, 4 and 64 rows of 49,152 logits: the step's way (the bf16
+  logits cast to fp32, then torch's argmax) against torch's argmax of the bf16 logits (the
+  same token: the cast is exact and keeps the order).
+
+Each variant's output is checked against the engine's way (attention within bf16 rounding,
+argmax equal). ``--smoke`` runs every case once, untimed, on whatever device there is
+(the attention under Triton's interpreter on the CPU). Writes JSON.
+
+Usage: python scripts/small_batch_kernels.py OUT.json [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+
+from tandem.layers.triton_attention import num_kv_splits, paged_attention
+
+H_Q, H_KV, HEAD_DIM, BLOCK = 9, 3, 64, 16
+VOCAB = 49_152
+CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
+REPEATS = 100
+
+
+def graph_us(fn, device: torch.device) -> float | None:
+    """Microseconds per call of ``fn`` replayed from a CUDA graph of REPEATS calls (None
+    off CUDA)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPEATS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / REPEATS)
+    return min(times)
+
+
+def attention_cases(device: torch.device, dtype: torch.dtype, contexts) -> list[dict]:
+    rows = []
+    for query_len in (1, 4):
+        for context in contexts:
+            seq_len = context + query_len
+            blocks = -(-seq_len // BLOCK)
+            k_cache = torch.randn((blocks + 1, BLOCK, H_KV, HEAD_DIM), dtype=dtype, device=device)
+            v_cache = torch.randn_like(k_cache)
+            args = (
+                torch.randn((query_len, H_Q, HEAD_DIM), dtype=dtype, device=device),
+                k_cache,
+                v_cache,
+                torch.arange(1, blocks + 1, dtype=torch.int32, device=device).unsqueeze(0),
+                torch.tensor([0, query_len], dtype=torch.int32, device=device),
+                torch.tensor([seq_len], dtype=torch.int32, device=device),
+                query_len,
+                HEAD_DIM**-0.5,
+            )
+            engine_splits = num_kv_splits(1, H_KV, 16)  # the engine's choice on CUDA
+            reference = paged_attention(*args, num_splits=engine_splits)
+            row = {"query_len": query_len, "context": context, "engine_splits": engine_splits}
+            for splits in sorted({engine_splits, 1}):
+                out = paged_attention(*args, num_splits=splits)
+                row[f"max_abs_diff_splits_{splits}"] = (out - reference).abs().max().item()
+                run = partial(paged_attention, *args, num_splits=splits)
+                row[f"us_splits_{splits}"] = graph_us(run, device)
+            rows.append(row)
+    return rows
+
+
+def _cast_then_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().argmax(dim=-1)
+
+
+def argmax_cases(device: torch.device, num_rows) -> list[dict]:
+    rows = []
+    for count in num_rows:
+        logits = torch.randn((count, VOCAB), device=device).to(torch.bfloat16)
+        logits[:, 7] = logits[:, 3] = logits.max() + 1  # a tie: the first index wins
+        engine = logits.float().argmax(dim=-1)
+        bf16 = logits.argmax(dim=-1)
+        rows.append(
+            {
+                "rows": count,
+                "same_tokens": bool(torch.equal(engine, bf16)),
+                "us_cast_then_argmax": graph_us(partial(_cast_then_argmax, logits), device),
+                "us_bf16_argmax": graph_us(partial(torch.argmax, logits, dim=-1), device),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "repeats_per_graph": REPEATS,
+        "attention": attention_cases(device, dtype, CONTEXTS[:2] if args.smoke else CONTEXTS),
+        "argmax": argmax_cases(device, (1, 4) if args.smoke else (1, 4, 64)),
+    }
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    for section in ("attention", "argmax"):
+        for row in results[section]:
+            print(section, row)
+
+
+if __name__ == "__main__":
+    main()
