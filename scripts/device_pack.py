@@ -38,13 +38,16 @@ WHEELS = ("gguf", "pyzmq")
 
 
 def split(path: str, name: str, folders: tuple[str, ...]) -> None:
-    """``path`` in ``len(folders)`` nearly equal parts, ``NAME.partI`` in folder I."""
+    """``path`` in ``len(folders)`` nearly equal parts, ``NAME.partI`` in folder I, and
+    ``NAME.parts`` (their number) beside the first: what device_unpack.sh joins, and when."""
     size = os.path.getsize(path)
     step = -(-size // len(folders))
     with open(path, "rb") as f:
         for i, folder in enumerate(folders):
             with open(os.path.join(folder, f"{name}.part{i}"), "wb") as part:
                 part.write(f.read(step))
+    with open(os.path.join(folders[0], f"{name}.parts"), "w") as f:
+        f.write(f"{len(folders)}\n")
 
 
 def compact_sharegpt(source: str, out: str, head: int, held_out_from: int, held_out: int) -> int:

@@ -9,16 +9,18 @@ mkdir -p "$stage"
 for folder in .gpu1 .gpu2 .gpu3; do
   [ -d "$folder" ] && cp -r "$folder"/. "$stage"/
 done
-for name in SmolLM2-135M-Instruct.Q4_1.gguf sharegpt.json; do
-  parts=$(ls "$stage/$name".part[0-9] 2>/dev/null | wc -l)
-  want=3; [ "$name" = sharegpt.json ] && want=2
-  if [ ! -f "$stage/$name" ] && [ "$parts" -eq "$want" ]; then
-    cat "$stage/$name".part[0-9] > "$stage/$name" && echo "joined $name"
+for count in "$stage"/*.parts; do  # NAME.parts holds how many parts NAME was split into
+  [ -f "$count" ] || continue
+  name=${count%.parts}
+  parts=$(ls "$name".part[0-9] 2>/dev/null | wc -l)
+  if [ ! -f "$name" ] && [ "$parts" -eq "$(cat "$count")" ]; then
+    cat "$name".part[0-9] > "$name" && echo "joined ${name##*/}"
   fi
 done
 if [ -d "$stage/wheels" ] && [ ! -f "$stage/.installed" ]; then
   python3 -m pip install -q --no-deps "$stage"/wheels/*.whl && touch "$stage/.installed"
 fi
-export MODEL=$stage/SmolLM2-135M-Instruct.Q4_1.gguf SHAREGPT_JSON=$stage/sharegpt.json
+model_parts=$(ls "$stage"/*.gguf.parts 2>/dev/null | head -n 1)
+export MODEL=${model_parts%.parts} SHAREGPT_JSON=$stage/sharegpt.json
 export MTBENCH_JSONL=$stage/question.jsonl
 ls "$MODEL" "$SHAREGPT_JSON" 2>/dev/null || echo "not all parts staged yet"

@@ -1,6 +1,6 @@
 """On a GPU: two batch-1 kernels of SmolLM2's MTP step that another launch could drop or
-shorten, each timed the way a step's CUDA graph runs it (``REPEATS`` launches captured in
-one graph, the replay timed with events: the gaps between kernels included):
+shorten, each timed the way a step's CUDA graph runs it (many launches captured in one
+graph, the replay timed: the gaps between kernels included):
 
 - paged attention, 9 query and 3 KV heads of 64, one request with 1 or 4 query rows over
   contexts of 128 to 4,096 keys: the split count the engine picks (flash-decoding: the
@@ -23,40 +23,23 @@ import json
 from functools import partial
 
 import torch
+import triton.testing
 
 from tandem.layers.triton_attention import num_kv_splits, paged_attention
 
 H_Q, H_KV, HEAD_DIM, BLOCK = 9, 3, 64, 16
 VOCAB = 49_152
 CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
-REPEATS = 100
 
 
 def graph_us(fn, device: torch.device) -> float | None:
-    """Microseconds per call of ``fn`` replayed from a CUDA graph of REPEATS calls (None
-    off CUDA)."""
+    """Microseconds per call of ``fn`` replayed from a CUDA graph of many calls (Triton's
+    ``do_bench_cudagraph``: the gaps between kernels included); None off CUDA, where
+    ``fn`` runs once."""
     if device.type != "cuda":
         fn()
         return None
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEATS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / REPEATS)
-    return min(times)
+    return triton.testing.do_bench_cudagraph(fn, return_mode="min") * 1000
 
 
 def attention_cases(device: torch.device, dtype: torch.dtype, contexts) -> list[dict]:
@@ -121,7 +104,6 @@ def main() -> None:
     results = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "repeats_per_graph": REPEATS,
         "attention": attention_cases(device, dtype, CONTEXTS[:2] if args.smoke else CONTEXTS),
         "argmax": argmax_cases(device, (1, 4) if args.smoke else (1, 4, 64)),
     }
