@@ -39,10 +39,7 @@ except ImportError:  # tandem imports without triton; paged_attention then raise
     triton = None
 
 if triton is not None:
-    from tandem.layers.triton_attention_kernels import (
-        _combine_splits_kernel,
-        _paged_attention_kernel,
-    )
+    from tandem.layers.triton_attention_kernels import _paged_attention_kernel
 
 _LOG2_E = 1.4426950408889634
 
@@ -51,6 +48,10 @@ _LOG2_E = 1.4426950408889634
 # 132 SMs); only for decode and short verification rows, whose tiles are few.
 _TARGET_PROGRAMS = 256
 _MAX_SPLITS = 16
+# Split counters a backend keeps per device: one per (query tile, KV head) of a split launch.
+# Its split batches have at most _TARGET_PROGRAMS / 2 (request, KV head) pairs (two splits
+# or more) and at most two tiles per request (its rows fit one tile), so this covers them.
+_SPLIT_COUNTERS = _TARGET_PROGRAMS
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, block_m: int) -> int:
@@ -76,6 +77,7 @@ def paged_attention(
     num_splits: int | None = None,
     min_query_len: int | None = None,
     tuning: dict | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows ``q`` [T, H_q, D] over the paged cache.
 
@@ -85,8 +87,10 @@ def paged_attention(
     lengths (it only picks the tile shape). Returns [T, H_q, D] in q's dtype (fp32, bf16 or
     fp16; accumulation is fp32). Reads no device value on the host, so it never waits.
     ``num_splits`` (a power of two; default ``num_kv_splits`` on CUDA, 1 in Triton's
-    interpreter) splits each decode tile's keys over that many programs, combined by a
-    second kernel. ``min_query_len`` (a lower
+    interpreter) splits each decode tile's keys over that many programs, the last of which
+    combines them; ``split_counters`` (int32, all 0, left all 0; a fresh zeroed tensor when
+    None or too short) counts the finished ones per tile and KV head: a caller that keeps
+    one for its launches saves a fill per launch. ``min_query_len`` (a lower
     bound, optional): when a batch mixes rows that fit the 16-row tile (decode,
     verification) with longer ones (prefill), each kind gets its own launch and tile.
     """
@@ -115,6 +119,7 @@ def paged_attention(
         scale,
         group,
         short_q,
+        split_counters,
     )
     if max_query_len <= short_q:
         if num_splits is not None:
@@ -143,12 +148,13 @@ def _launch(
     scale,
     group,
     short_q,
+    split_counters,
     block_m: int,
     rows: int,
     splits: int,
     tuning: dict | None = None,
 ) -> None:
-    """One launch of the attention kernel (plus the combination of its splits).
+    """One launch of the attention kernel.
     ``tuning`` overrides launch choices (block_n, num_warps, num_stages) for measurements
     of variants."""
     # Chosen by timing variants on the H200 (scripts/kernel_sweep.py, bf16, 8B shape):
@@ -165,15 +171,18 @@ def _launch(
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    part_out = part_ml = out  # unused without splits
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
+    part_out = part_ml = counters = out  # unused without splits
     if splits > 1:
+        counters = split_counters
+        if counters is None or counters.numel() < grid[0] * grid[1]:
+            counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device)
         part_out = torch.empty(
             (num_tokens, num_heads, splits, head_dim_pad), dtype=torch.float32, device=q.device
         )
         part_ml = torch.empty(
             (num_tokens, num_heads, splits, 2), dtype=torch.float32, device=q.device
         )
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -191,6 +200,7 @@ def _launch(
         block_tables.stride(0),
         part_out,
         part_ml,
+        counters,
         GROUP=group,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -205,17 +215,6 @@ def _launch(
         num_warps=tuning["num_warps"],
         num_stages=tuning["num_stages"],
     )
-    if splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            out,
-            part_out,
-            part_ml,
-            *out.stride(),
-            num_heads,
-            NUM_SPLITS=splits,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-        )
 
 
 def block_table_array(
@@ -245,7 +244,20 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention by one Triton kernel launch per layer (see the module docstrings here
-    and in :mod:`tandem.layers.triton_attention_kernels`)."""
+    and in :mod:`tandem.layers.triton_attention_kernels`). It keeps the split kernel's
+    counters, one tensor per device, shared by every launch it makes (their kernels run one
+    after another on the step's stream, each leaving the counters at 0)."""
+
+    def __init__(self) -> None:
+        self._split_counters: dict[torch.device, torch.Tensor] = {}
+
+    def split_counters(self, device: torch.device) -> torch.Tensor:
+        """The counters of the split attention on ``device`` (made once, zeroed)."""
+        if device not in self._split_counters:
+            self._split_counters[device] = torch.zeros(
+                _SPLIT_COUNTERS, dtype=torch.int32, device=device
+            )
+        return self._split_counters[device]
 
     def build_metadata(
         self,
@@ -286,4 +298,5 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.max_query_len,
             scale,
             min_query_len=metadata.min_query_len,
+            split_counters=self.split_counters(q.device),
         )

@@ -1,5 +1,5 @@
-"""The Triton kernels of paged attention: one program per (query tile, KV head[, key range])
-over a ragged batch, and the combination of flash-decoding's key ranges.
+"""The Triton kernel of paged attention: one program per (query tile, KV head[, key range])
+over a ragged batch, the last of a tile's key ranges combining them (flash-decoding).
 
 The batch layout, the launch choices and the backend that calls these are in
 :mod:`tandem.layers.triton_attention`; this module holds only device code. Each kernel keeps
@@ -39,9 +39,16 @@ Grid ``(T // BLOCK_Q + B, H_kv)``, from sizes alone (no host value is read at la
 Flash-decoding: for decode and short verification tiles (``BLOCK_M = 16``) of a small
 batch, grid axis 2 splits each tile's keys into ``num_splits`` consecutive ranges (chosen on
 the host from the batch size and head count, so a CUDA graph keeps it), each program
-writing its unnormalized output with its running max and sum; a second kernel combines
-the splits. Rows with no visible key in a range leave max -inf and sum 0 there, which the
-combination weighs 0; the first range holds key 0, so every row has one finite range.
+writing its unnormalized output with its running max and sum. The last of a tile's
+programs to finish combines them, in the same launch: each program counts itself done on a
+per-(tile, KV head) counter (an atomic add, acquire-release at GPU scope, after a barrier
+so every thread's partial stores come first); the one that brings the count to
+``num_splits`` reads every range's partials back from L2, combines them in a fixed order
+(so the result does not depend on which program was last), writes the output and sets the
+counter back to 0 for the next launch. The counters are all 0 between launches, and one
+kernel fewer per layer runs than with a separate combining kernel. Rows with no visible key
+in a range leave max -inf and sum 0 there, which the combination weighs 0; the first range
+holds key 0, so every row has one finite range.
 
 Triton is imported under a guard: without it this module defines no kernel.
 """
@@ -103,6 +110,7 @@ if triton is not None:
         stride_bt,
         part_out_ptr,
         part_ml_ptr,
+        split_counter_ptr,
         GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -117,7 +125,9 @@ if triton is not None:
     ):
         """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request; with
         NUM_SPLITS > 1, one of that many consecutive ranges of its key tiles, whose partial
-        output, running max and sum go to ``part_out`` / ``part_ml`` for the reduction.
+        output, running max and sum go to ``part_out`` / ``part_ml``; the tile's last range
+        to finish (``split_counter``, one int32 per (tile, KV head), 0 on entry and left
+        0) combines them.
         ROWS 1 takes only requests of at most SHORT_Q query rows, ROWS 2 only the others
         (0: all)."""
         tile = tl.program_id(0)
@@ -217,7 +227,16 @@ if triton is not None:
                 part_ml_ptr + part_row * 2, tl.where(l_i > 0.0, m_i, float("-inf")), mask=row_ok
             )
             tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
-            return
+            tl.debug_barrier()  # every thread's stores before the count that publishes them
+            counter = split_counter_ptr + tile * tl.num_programs(1) + kv_head
+            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if finished < NUM_SPLITS - 1:
+                return
+            tl.store(counter, 0)  # no other program of this launch touches it again
+            first_row = part_row - split
+            acc, l_i = _combine_splits(
+                part_out_ptr, part_ml_ptr, first_row, row_ok, offs_d, NUM_SPLITS, HEAD_DIM_PAD
+            )
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr
@@ -232,33 +251,45 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _combine_splits_kernel(
-        out_ptr,
+    def _combine_splits(
         part_out_ptr,
         part_ml_ptr,
-        stride_ot,
-        stride_oh,
-        stride_od,
-        num_heads,
+        first_row,
+        row_ok,
+        offs_d,
         NUM_SPLITS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
     ):
-        """One (query row, head): the splits' partial outputs weighted by exp2(m - max)."""
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        row = (token * num_heads + head) * NUM_SPLITS
-        splits = tl.arange(0, NUM_SPLITS)
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        m = tl.load(part_ml_ptr + (row + splits) * 2)
-        lsum = tl.load(part_ml_ptr + (row + splits) * 2 + 1)
-        m_max = tl.max(m, 0)  # finite: split 0 holds key 0, visible to every row
-        weight = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
-        total = tl.sum(weight * lsum, 0)
-        acc = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-        out = tl.sum(acc * weight[:, None], 0) / total
-        tl.store(
-            out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=offs_d < HEAD_DIM,
-        )
+        """The splits' partial outputs of each row [BLOCK_M], weighted by exp2(m - max), and
+        their weighted sum (the unnormalized output and its divisor), splits in order. The
+        partials are read at L2 (``.cg``): they were written by other programs."""
+        m_max = tl.full(first_row.shape, float("-inf"), dtype=tl.float32)
+        for split in range(NUM_SPLITS):
+            m = tl.load(
+                part_ml_ptr + (first_row + split) * 2,
+                mask=row_ok,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            m_max = tl.maximum(m_max, m)  # finite on a kept row: split 0 holds key 0
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # rows not kept: no -inf - -inf
+        total = tl.zeros(first_row.shape, dtype=tl.float32)
+        acc = tl.zeros([first_row.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
+        for split in range(NUM_SPLITS):
+            row = first_row + split
+            m = tl.load(
+                part_ml_ptr + row * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+            )
+            lsum = tl.load(
+                part_ml_ptr + row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg"
+            )
+            weight = tl.exp2(m - m_max)  # 0 where the range saw no key (m = -inf)
+            total += weight * lsum
+            part = tl.load(
+                part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            acc += part * weight[:, None]
+        return acc, total

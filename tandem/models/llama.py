@@ -194,7 +194,14 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden states (of ``forward``'s output: its first H columns)."""
-        return self.lm_head(hidden[..., : self.arch.hidden_size]).float()
+        return self.model_dtype_logits(hidden).float()
+
+    def model_dtype_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` before its fp32 copy, in the weights' dtype. Enough for an
+        argmax, which it gives exactly: widening bf16 or fp16 to fp32 is exact and keeps
+        the order, and argmax takes the first of tied maxima either way. One kernel and a
+        pass over the vocabulary fewer for greedy choices."""
+        return self.lm_head(hidden[..., : self.arch.hidden_size])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors (``model.`` prefix optional)."""

@@ -86,7 +86,7 @@ def draft_chain(
             metadata,
             proposer.backend,
         )
-        logits = proposer.model.compute_logits(layer.final_norm(hidden))
+        logits = proposer.model.model_dtype_logits(layer.final_norm(hidden))
         tokens, probs = draft_tokens(logits, sampling, depth)
         drafts.append(tokens)
         if probs is not None:

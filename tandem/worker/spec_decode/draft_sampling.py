@@ -31,9 +31,10 @@ class DraftSampling:
 def draft_tokens(
     logits: torch.Tensor, sampling: DraftSampling | None, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The drafts of one depth from the head's ``logits`` [rows, V], and the distributions
-    they were drawn from [rows, V] (None when every row is greedy: q is then one-hot on
-    the draft)."""
+    """The drafts of one depth from the head's ``logits`` [rows, V] (fp32 or the model's
+    dtype: the argmax and the fp32 filters are the same from either), and the
+    distributions they were drawn from [rows, V] (None when every row is greedy: q is then
+    one-hot on the draft)."""
     tokens = logits.argmax(dim=-1)
     if sampling is None or sampling.batch.all_greedy:
         return tokens, None

@@ -79,7 +79,7 @@ class PromptDraftGraphs:
             proposer.backend,
         )
         last = hidden.index_select(0, self.row_ends[: min(size, self.ragged.max_rows)])
-        logits = proposer.model.compute_logits(layer.final_norm(last))
+        logits = proposer.model.model_dtype_logits(layer.final_norm(last))
         return last, logits.argmax(dim=-1)
 
     def applies(self, rows: list[ProposalRow], target_hidden: torch.Tensor, sampling) -> bool:

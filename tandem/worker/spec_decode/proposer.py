@@ -270,7 +270,7 @@ class MTPProposer:
                     [self._slot(r.block_ids, r.positions[-1] + depth) for r in drafting_rows],
                 )
             layer = self.head.layers[self.head.layer_for_depth(depth)]
-            logits = self.model.compute_logits(layer.final_norm(hidden))
+            logits = self.model.model_dtype_logits(layer.final_norm(hidden))
             tokens, probs = draft_tokens(logits, draft_sampling, depth)
             tokens_per_depth.append(tokens)
             probs_per_depth.append(probs)
@@ -333,7 +333,7 @@ class MTPProposer:
         )
         self.uniform_later_layers(hidden, rows, next_tokens, metadata, block_tables)
         hidden = hidden.index_select(0, accepted.kept)
-        logits = self.model.compute_logits(layer.final_norm(hidden))
+        logits = self.model.model_dtype_logits(layer.final_norm(hidden))
         first, first_probs = draft_tokens(logits, sampling, 0)
         if num_drafts == 1:
             return first.unsqueeze(1), None if first_probs is None else first_probs.unsqueeze(1)

@@ -93,7 +93,7 @@ class ResolvedStepGraphs:
 
     def _verify(self, size: int):
         """The first ``size`` rows' verification rows, attention metadata and the target's
-        hidden states and logits."""
+        hidden states and logits (in the model's dtype)."""
         runner, q = self.runner, self.query_len
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
         rows = verify_rows(self.slots, slot_ids, tables, runner.block_size, self.scratch_block)
@@ -108,7 +108,7 @@ class ResolvedStepGraphs:
         hidden = runner.model(
             rows.input_ids, rows.positions, runner.kv_caches, metadata, runner.backend
         )
-        return rows, metadata, hidden, runner.model.compute_logits(hidden)
+        return rows, metadata, hidden, runner.model.model_dtype_logits(hidden)
 
     def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The greedy resolved step of the first ``size`` rows of the static buffers:
@@ -129,6 +129,7 @@ class ResolvedStepGraphs:
         slots, k = self.slots, self.num_drafts
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
         rows, metadata, hidden, logits = self._verify(size)
+        logits = logits.float()
         batch = SamplingBatch(
             self.temperature[:size],
             self.greedy[:size],
@@ -183,7 +184,7 @@ class ResolvedStepGraphs:
         )
         proposer.uniform_later_layers(head_hidden, rows, candidates, metadata, tables)
         head_hidden = head_hidden.index_select(0, accepted.kept)
-        first = proposer.model.compute_logits(layer.final_norm(head_hidden)).argmax(dim=-1)
+        first = proposer.model.model_dtype_logits(layer.final_norm(head_hidden)).argmax(dim=-1)
         if self.num_drafts == 1:
             return first.unsqueeze(1)
         later, _ = draft_chain(
