@@ -280,9 +280,7 @@ if triton is not None:
             m = tl.load(
                 part_ml_ptr + row * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
             )
-            lsum = tl.load(
-                part_ml_ptr + row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg"
-            )
+            lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
             weight = tl.exp2(m - m_max)  # 0 where the range saw no key (m = -inf)
             total += weight * lsum
             part = tl.load(
