@@ -3,8 +3,10 @@ shorten, each timed the way a step's CUDA graph runs it (many launches captured 
 graph, the replay timed: the gaps between kernels included):
 
 - paged attention, 9 query and 3 KV heads of 64, one request with 1 or 4 query rows over
-  contexts of 128 to 4,096 keys: the split count the engine picks (flash-decoding: the
-  split kernel and its combination, two launches) against one split (one launch);
+  contexts of 128 to 4,096 keys: the split count the engine picks (flash-decoding, the
+  last range's program combining) against one split; and the layer's whole attention, the
+  rotation-and-store kernel then the attention launch, against the attention launch that
+  rotates and stores itself (``new_keys``, one launch);
 - the vocabulary argmax of 1, 4 and 64 rows of 49,152 logits: the step's way (the bf16
   logits cast to fp32, then torch's argmax) against torch's argmax of the bf16 logits (the
   same token: the cast is exact and keeps the order).
@@ -25,7 +27,9 @@ from functools import partial
 import torch
 import triton.testing
 
-from tandem.layers.triton_attention import num_kv_splits, paged_attention
+from tandem.layers.fused_rotary import rotary_store_kv
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.layers.triton_attention import NewKeys, num_kv_splits, paged_attention
 
 H_Q, H_KV, HEAD_DIM, BLOCK = 9, 3, 64, 16
 VOCAB = 49_152
@@ -44,6 +48,7 @@ def graph_us(fn, device: torch.device) -> float | None:
 
 def attention_cases(device: torch.device, dtype: torch.dtype, contexts) -> list[dict]:
     rows = []
+    rotary = RotaryEmbedding(HEAD_DIM, max(contexts) + 8, 10000.0, None).to(device)
     for query_len in (1, 4):
         for context in contexts:
             seq_len = context + query_len
@@ -68,8 +73,39 @@ def attention_cases(device: torch.device, dtype: torch.dtype, contexts) -> list[
                 row[f"max_abs_diff_splits_{splits}"] = (out - reference).abs().max().item()
                 run = partial(paged_attention, *args, num_splits=splits)
                 row[f"us_splits_{splits}"] = graph_us(run, device)
+            row.update(_layer_attention(args, rotary, engine_splits, device))
             rows.append(row)
     return rows
+
+
+def _layer_attention(args, rotary, splits: int, device: torch.device) -> dict:
+    """A layer's attention from the projection's unrotated queries and keys: the rotation
+    kernel (which stores the keys and values) then the attention launch, against the one
+    launch that rotates and stores itself; outputs and caches compared."""
+    q, k_cache, v_cache, tables, starts, seq_lens, query_len, scale = args
+    context = int(seq_lens[0]) - query_len
+    qk = torch.randn((query_len, H_Q + H_KV, HEAD_DIM), dtype=q.dtype, device=device)
+    v = torch.randn((query_len, H_KV, HEAD_DIM), dtype=q.dtype, device=device)
+    positions = torch.arange(context, context + query_len, device=device)
+    slots = positions + BLOCK  # block i holds positions of logical block i - 1
+    rest = (tables, starts, seq_lens, query_len, scale)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+
+    def two_launches(k_cache=caches[0][0], v_cache=caches[0][1]):
+        q = rotary_store_kv(qk, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots, H_Q)
+        return paged_attention(q, k_cache, v_cache, *rest, num_splits=splits)
+
+    new_keys = NewKeys(qk[:, H_Q:], v, positions, rotary.cos, rotary.sin, slots)
+    rotating = partial(
+        paged_attention, qk[:, :H_Q], *caches[1], *rest, num_splits=splits, new_keys=new_keys
+    )
+    out_two, out_one = two_launches(), rotating()
+    return {
+        "rotating_max_abs_diff": (out_one - out_two).abs().max().item(),
+        "rotating_same_caches": all(torch.equal(a, b) for a, b in zip(*caches, strict=True)),
+        "us_rotate_then_attend": graph_us(two_launches, device),
+        "us_rotating": graph_us(rotating, device),
+    }
 
 
 def _cast_then_argmax(logits: torch.Tensor) -> torch.Tensor:

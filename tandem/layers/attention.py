@@ -51,6 +51,29 @@ class AttentionBackend(ABC):
         """Attend q [T, H_q, D] over the cache, which holds this step's keys and values."""
         raise NotImplementedError(f"{type(self).__name__} attends to k and v directly")
 
+    def attend_rotating(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        num_q_heads: int,
+        use_triton: bool | None = None,
+    ) -> torch.Tensor:
+        """For a paged backend: rotate the unrotated queries and keys ``qk`` [T, H_q + H_kv,
+        D] by ``rotary`` (a ``RotaryEmbedding``) at ``positions``, store the keys and ``v``
+        in the cache and attend; returns [T, H_q, D]. Here the rotation kernel stores and
+        ``attend_cached`` attends; a backend may do both in one launch (``use_triton``
+        forces its kernels, as in :mod:`tandem.layers.fused`)."""
+        q = rotary.rotate_and_store(
+            positions, qk, v, k_cache, v_cache, metadata.slot_mapping, num_q_heads
+        )
+        return self.attend_cached(q, k_cache, v_cache, metadata, scale)
+
     @abstractmethod
     def build_metadata(
         self,

@@ -10,7 +10,9 @@ table maps a request's logical block i to a physical block.
 
 This module is the host side: the launcher (:func:`paged_attention`: the tile height, the
 flash-decoding split count, one launch or two for a batch that mixes decode rows with a
-prefill chunk; none reads a device value), the step's metadata and the attention backend.
+prefill chunk, and for decode and verification steps the rotation of the queries and the
+store of the step's keys inside the launch (:class:`NewKeys`); none reads a device value),
+the step's metadata and the attention backend.
 The kernels and their design are in :mod:`tandem.layers.triton_attention_kernels`.
 
 Triton is imported under a guard, so this module (and tandem) imports without it; only
@@ -32,6 +34,7 @@ from tandem.layers.attention import (
     AttentionMetadata,
     query_start_locations,
 )
+from tandem.layers.fused import kernels_apply
 
 try:
     import triton
@@ -42,6 +45,23 @@ if triton is not None:
     from tandem.layers.triton_attention_kernels import _paged_attention_kernel
 
 _LOG2_E = 1.4426950408889634
+
+
+@dataclass
+class NewKeys:
+    """The step's own keys and values for the attention launch to rotate and store itself
+    (``fused_rotary.rotary_store_kv``'s work, one launch fewer): the unrotated keys ``k``
+    and the values ``v`` [T, H_kv, D] (head dimension contiguous), the tokens'
+    ``positions`` [T], the rotary ``cos``/``sin`` tables [max_position, D / 2] (rows
+    contiguous) and the cache slots ``slot_mapping`` [T]. The queries given with it are
+    unrotated too."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 # Split a small batch's keys over more programs until about this many run (the H200 has
@@ -65,6 +85,12 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, block_m: int) -> int:
     return splits
 
 
+def rows_per_short_tile(num_heads: int, num_kv_heads: int) -> int:
+    """How many query rows of one request fit the 16-row tile of decode and verification
+    rows (each row takes the GQA group's ``num_heads // num_kv_heads`` tile rows)."""
+    return max(1, 16 // (num_heads // num_kv_heads))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -78,6 +104,7 @@ def paged_attention(
     min_query_len: int | None = None,
     tuning: dict | None = None,
     split_counters: torch.Tensor | None = None,
+    new_keys: NewKeys | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows ``q`` [T, H_q, D] over the paged cache.
 
@@ -93,6 +120,9 @@ def paged_attention(
     one for its launches saves a fill per launch. ``min_query_len`` (a lower
     bound, optional): when a batch mixes rows that fit the 16-row tile (decode,
     verification) with longer ones (prefill), each kind gets its own launch and tile.
+    With ``new_keys`` (only for rows that fit the 16-row tile: ``rows_per_short_tile``), ``q``
+    is unrotated and the cache does not hold the step's keys and values yet: the launch
+    rotates and stores them (see :class:`NewKeys`).
     """
     if triton is None:
         raise RuntimeError("paged_attention needs triton (pip install triton)")
@@ -107,7 +137,9 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    short_q = max(1, 16 // group)  # query rows of one request that fit a 16-row tile
+    short_q = rows_per_short_tile(num_heads, num_kv_heads)
+    if new_keys is not None and max_query_len > short_q:
+        raise ValueError(f"new_keys needs rows of at most {short_q} queries, not {max_query_len}")
     args = (
         out,
         q,
@@ -120,6 +152,7 @@ def paged_attention(
         group,
         short_q,
         split_counters,
+        new_keys,
     )
     if max_query_len <= short_q:
         if num_splits is not None:
@@ -149,6 +182,7 @@ def _launch(
     group,
     short_q,
     split_counters,
+    new_keys,
     block_m: int,
     rows: int,
     splits: int,
@@ -183,6 +217,26 @@ def _launch(
         part_ml = torch.empty(
             (num_tokens, num_heads, splits, 2), dtype=torch.float32, device=q.device
         )
+    rotate = new_keys is not None
+    if rotate:
+        k, v, cos, sin = new_keys.k, new_keys.v, new_keys.cos, new_keys.sin
+        if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+            raise ValueError("new_keys needs q, k and v contiguous in their head dimension")
+        if cos.stride() != sin.stride() or sin.stride(-1) != 1:
+            raise ValueError("new_keys needs cos and sin of one layout, rows contiguous")
+        rotary_args = (
+            k,
+            v,
+            new_keys.positions,
+            new_keys.slot_mapping,
+            cos,
+            sin,
+            *k.stride()[:2],
+            *v.stride()[:2],
+            sin.stride(0),
+        )
+    else:  # unused
+        rotary_args = (out,) * 6 + (0,) * 5
     _paged_attention_kernel[grid](
         out,
         q,
@@ -201,6 +255,7 @@ def _launch(
         part_out,
         part_ml,
         counters,
+        *rotary_args,
         GROUP=group,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -212,6 +267,7 @@ def _launch(
         NUM_SPLITS=splits,
         ROWS=rows,
         SHORT_Q=short_q,
+        ROTATE=rotate,
         num_warps=tuning["num_warps"],
         num_stages=tuning["num_stages"],
     )
@@ -299,4 +355,43 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             min_query_len=metadata.min_query_len,
             split_counters=self.split_counters(q.device),
+        )
+
+    def attend_rotating(
+        self,
+        qk,
+        v,
+        positions,
+        rotary,
+        k_cache,
+        v_cache,
+        metadata: TritonAttentionMetadata,
+        scale,
+        num_q_heads,
+        use_triton=None,
+    ):
+        """Where every row fits the 16-row tile (decode and verification steps) and the
+        kernels apply, one launch rotates, stores and attends (:class:`NewKeys`); else the
+        rotation kernel first (``AttentionBackend.attend_rotating``)."""
+        num_kv_heads = qk.shape[1] - num_q_heads
+        applies = kernels_apply(qk, v, rotary.cos) if use_triton is None else use_triton
+        if not applies or metadata.max_query_len > rows_per_short_tile(num_q_heads, num_kv_heads):
+            return super().attend_rotating(
+                qk, v, positions, rotary, k_cache, v_cache, metadata, scale, num_q_heads
+            )
+        new_keys = NewKeys(
+            qk[:, num_q_heads:], v, positions, rotary.cos, rotary.sin, metadata.slot_mapping
+        )
+        return paged_attention(
+            qk[:, :num_q_heads],
+            k_cache,
+            v_cache,
+            metadata.block_tables,
+            metadata.query_start_loc_device,
+            metadata.seq_lens_device,
+            metadata.max_query_len,
+            scale,
+            min_query_len=metadata.min_query_len,
+            split_counters=self.split_counters(qk.device),
+            new_keys=new_keys,
         )

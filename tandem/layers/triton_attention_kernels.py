@@ -64,6 +64,7 @@ except ImportError:  # tandem imports without triton; paged_attention then raise
 
 
 if triton is not None:
+    from tandem.layers.triton_attention_rotary import _rotated_rows, _store_new_kv
 
     @triton.jit
     def _find_request(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
@@ -111,6 +112,17 @@ if triton is not None:
         part_out_ptr,
         part_ml_ptr,
         split_counter_ptr,
+        new_k_ptr,
+        new_v_ptr,
+        positions_ptr,
+        slot_mapping_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_nkt,
+        stride_nkh,
+        stride_nvt,
+        stride_nvh,
+        stride_c,
         GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -122,6 +134,7 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr,
         ROWS: tl.constexpr,
         SHORT_Q: tl.constexpr,
+        ROTATE: tl.constexpr,
     ):
         """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request; with
         NUM_SPLITS > 1, one of that many consecutive ranges of its key tiles, whose partial
@@ -129,7 +142,12 @@ if triton is not None:
         to finish (``split_counter``, one int32 per (tile, KV head), 0 on entry and left
         0) combines them.
         ROWS 1 takes only requests of at most SHORT_Q query rows, ROWS 2 only the others
-        (0: all)."""
+        (0: all). With ROTATE the queries come unrotated and the step's own keys and
+        values are not in the cache yet: the program rotates the queries as it loads them,
+        takes the step's keys (rotated) and values from ``new_k`` / ``new_v`` instead of
+        the cache, and split 0 stores its tile's keys and values at their
+        ``slot_mapping`` slots (what ``fused_rotary.rotary_store_kv`` does, in this
+        launch; no program reads those slots here)."""
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -154,14 +172,28 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         d_ok = offs_d < HEAD_DIM
 
-        q = tl.load(
-            q_ptr
-            + token[:, None] * stride_qt
-            + head[:, None] * stride_qh
-            + offs_d[None, :] * stride_qd,
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        if ROTATE:
+            q = _rotated_rows(
+                q_ptr,
+                tl.where(row_ok, token, 0),
+                token * stride_qt + head * stride_qh,
+                row_ok,
+                positions_ptr,
+                cos_ptr,
+                sin_ptr,
+                stride_c,
+                offs_d,
+                HEAD_DIM,
+            )
+        else:
+            q = tl.load(
+                q_ptr
+                + token[:, None] * stride_qt
+                + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -178,20 +210,38 @@ if triton is not None:
         for start_n in range(kv_start, kv_end, BLOCK_N):
             key_pos = start_n + offs_n
             key_ok = key_pos < kv_end
-            block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            cached = key_ok
+            if ROTATE:  # the step's own keys are not in the cache yet
+                cached = key_ok & (key_pos < context)
+            block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
             slot = key_pos % BLOCK_SIZE
             # Keys loaded as rows (each key's head_dim contiguous), then transposed.
-            k = tl.trans(
-                tl.load(
-                    k_cache_ptr
-                    + block[:, None] * stride_kb
-                    + slot[:, None] * stride_ks
-                    + kv_head * stride_kh
-                    + offs_d[None, :] * stride_kd,
-                    mask=key_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
+            k = tl.load(
+                k_cache_ptr
+                + block[:, None] * stride_kb
+                + slot[:, None] * stride_ks
+                + kv_head * stride_kh
+                + offs_d[None, :] * stride_kd,
+                mask=cached[:, None] & d_ok[None, :],
+                other=0.0,
             )
+            if ROTATE:  # the step's own keys: from new_k, rotated as the store rotates them
+                fresh = key_ok & (key_pos >= context)
+                new_token = tl.where(fresh, q_start + key_pos - context, 0).to(tl.int64)
+                new_k = _rotated_rows(
+                    new_k_ptr,
+                    new_token,
+                    new_token * stride_nkt + kv_head * stride_nkh,
+                    fresh,
+                    positions_ptr,
+                    cos_ptr,
+                    sin_ptr,
+                    stride_c,
+                    offs_d,
+                    HEAD_DIM,
+                )
+                k = tl.where(fresh[:, None], new_k.to(k_cache_ptr.dtype.element_ty), k)
+            k = tl.trans(k)
             scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
             visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
@@ -206,14 +256,56 @@ if triton is not None:
                 + slot[:, None] * stride_vs
                 + kv_head * stride_vh
                 + offs_d[None, :] * stride_vd,
-                mask=key_ok[:, None] & d_ok[None, :],
+                mask=cached[:, None] & d_ok[None, :],
                 other=0.0,
             )
+            if ROTATE:
+                new_v = tl.load(
+                    new_v_ptr
+                    + (new_token * stride_nvt + kv_head * stride_nvh)[:, None]
+                    + offs_d[None, :],
+                    mask=fresh[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+                v = tl.where(fresh[:, None], new_v.to(v_cache_ptr.dtype.element_ty), v)
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
             )
             m_i = m_new
 
+        if ROTATE and split == 0:  # after the loop, which must not need the stored keys
+            _store_new_kv(
+                new_k_ptr,
+                new_v_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                positions_ptr,
+                slot_mapping_ptr,
+                cos_ptr,
+                sin_ptr,
+                stride_nkt,
+                stride_nkh,
+                stride_nvt,
+                stride_nvh,
+                stride_c,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_kd,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                stride_vd,
+                q_start,
+                q_len,
+                tile_in_seq,
+                kv_head,
+                offs_m,
+                offs_d,
+                BLOCK_Q,
+                BLOCK_SIZE,
+                HEAD_DIM,
+            )
         if NUM_SPLITS > 1:
             # Partials [T, H_q, NUM_SPLITS, HEAD_DIM_PAD] and [T, H_q, NUM_SPLITS, 2] (fp32).
             part_row = (token * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split

@@ -58,10 +58,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # Queries and keys rotate in one call: they are adjacent in the fused projection.
         if backend.attends_cache:  # the rotation also stores the keys and values
-            q = self.rotary.rotate_and_store(
-                positions, qk, v, kv_cache[0], kv_cache[1], metadata.slot_mapping, self.num_heads
+            out = backend.attend_rotating(
+                qk, v, positions, self.rotary, *kv_cache, metadata, self.scale, self.num_heads
             )
-            out = backend.attend_cached(q, kv_cache[0], kv_cache[1], metadata, self.scale)
         else:
             q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
             out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)

@@ -22,5 +22,7 @@ def test_small_batch_kernels_smoke(tmp_path):
         assert row["engine_splits"] == 16  # the split count the engine picks at batch 1
         assert row["max_abs_diff_splits_1"] < 1e-5 and row["max_abs_diff_splits_16"] == 0
         assert row["us_splits_1"] is None and row["us_splits_16"] is None  # untimed on the CPU
+        assert row["rotating_same_caches"] and row["rotating_max_abs_diff"] < 1e-5
+        assert row["us_rotating"] is None and row["us_rotate_then_attend"] is None
     assert [row["rows"] for row in results["argmax"]] == [1, 4]
     assert all(row["same_tokens"] for row in results["argmax"])
