@@ -65,6 +65,7 @@ except ImportError:  # tandem imports without triton; paged_attention then raise
 
 if triton is not None:
     from tandem.layers.triton_attention_rotary import _rotated_rows, _store_new_kv
+    from tandem.layers.triton_attention_splits import _combine_splits
 
     @triton.jit
     def _find_request(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
@@ -80,6 +81,27 @@ if triton is not None:
             else:
                 hi = mid
         return lo - 1
+
+    @triton.jit
+    def _attend_keys(
+        q, k, v, key_ok, key_pos, query_pos, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr
+    ):
+        """One tile of keys ``k`` and values ``v`` [N, D] (rows; ``key_ok`` [N] the real ones
+        at ``key_pos``) into the online softmax of the query rows ``q`` [M, D] at
+        ``query_pos`` (causal): the running max ``m_i``, sum ``l_i`` and output ``acc``,
+        updated. Scores in base 2 (``scale_log2``), fp32."""
+        scores = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing visible yet
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+        )
+        return m_new, l_i, acc
 
     # The batch size and the block table's width change from step to step: left
     # unspecialized, so a new value never compiles a new variant in the middle of a run.
@@ -207,73 +229,76 @@ if triton is not None:
             tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
             kv_start = split * tiles_per_split * BLOCK_N
             kv_end = tl.minimum(kv_end, kv_start + tiles_per_split * BLOCK_N)
-        for start_n in range(kv_start, kv_end, BLOCK_N):
+        cached_end = kv_end
+        if ROTATE:  # the step's own keys are not in the cache yet: they come after the loop
+            cached_end = tl.minimum(kv_end, context)
+        for start_n in range(kv_start, cached_end, BLOCK_N):
             key_pos = start_n + offs_n
-            key_ok = key_pos < kv_end
-            cached = key_ok
-            if ROTATE:  # the step's own keys are not in the cache yet
-                cached = key_ok & (key_pos < context)
-            block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=cached, other=0).to(tl.int64)
+            key_ok = key_pos < cached_end
+            block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
             slot = key_pos % BLOCK_SIZE
-            # Keys loaded as rows (each key's head_dim contiguous), then transposed.
+            # Keys loaded as rows (each key's head_dim contiguous).
             k = tl.load(
                 k_cache_ptr
                 + block[:, None] * stride_kb
                 + slot[:, None] * stride_ks
                 + kv_head * stride_kh
                 + offs_d[None, :] * stride_kd,
-                mask=cached[:, None] & d_ok[None, :],
+                mask=key_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            if ROTATE:  # the step's own keys: from new_k, rotated as the store rotates them
-                fresh = key_ok & (key_pos >= context)
-                new_token = tl.where(fresh, q_start + key_pos - context, 0).to(tl.int64)
-                new_k = _rotated_rows(
-                    new_k_ptr,
-                    new_token,
-                    new_token * stride_nkt + kv_head * stride_nkh,
-                    fresh,
-                    positions_ptr,
-                    cos_ptr,
-                    sin_ptr,
-                    stride_c,
-                    offs_d,
-                    HEAD_DIM,
-                )
-                k = tl.where(fresh[:, None], new_k.to(k_cache_ptr.dtype.element_ty), k)
-            k = tl.trans(k)
-            scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-            visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing visible yet
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 v_cache_ptr
                 + block[:, None] * stride_vb
                 + slot[:, None] * stride_vs
                 + kv_head * stride_vh
                 + offs_d[None, :] * stride_vd,
-                mask=cached[:, None] & d_ok[None, :],
+                mask=key_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            if ROTATE:
-                new_v = tl.load(
-                    new_v_ptr
-                    + (new_token * stride_nvt + kv_head * stride_nvh)[:, None]
-                    + offs_d[None, :],
-                    mask=fresh[:, None] & d_ok[None, :],
-                    other=0.0,
-                )
-                v = tl.where(fresh[:, None], new_v.to(v_cache_ptr.dtype.element_ty), v)
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+            m_i, l_i, acc = _attend_keys(
+                q, k, v, key_ok, key_pos, query_pos, m_i, l_i, acc, scale_log2, DOT_PRECISION
             )
-            m_i = m_new
+        if ROTATE:
+            # This range's share of the step's own keys (at most the 16 rows of one tile):
+            # rotated from new_k as the store below rotates them, values from new_v.
+            key_pos = tl.maximum(kv_start, context) + tl.arange(0, 16)
+            fresh = key_pos < kv_end
+            new_token = tl.where(fresh, q_start + key_pos - context, 0).to(tl.int64)
+            k = _rotated_rows(
+                new_k_ptr,
+                new_token,
+                new_token * stride_nkt + kv_head * stride_nkh,
+                fresh,
+                positions_ptr,
+                cos_ptr,
+                sin_ptr,
+                stride_c,
+                offs_d,
+                HEAD_DIM,
+            )
+            v = tl.load(
+                new_v_ptr
+                + (new_token * stride_nvt + kv_head * stride_nvh)[:, None]
+                + offs_d[None, :],
+                mask=fresh[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            m_i, l_i, acc = _attend_keys(
+                q,
+                k.to(k_cache_ptr.dtype.element_ty),
+                v.to(v_cache_ptr.dtype.element_ty),
+                fresh,
+                key_pos,
+                query_pos,
+                m_i,
+                l_i,
+                acc,
+                scale_log2,
+                DOT_PRECISION,
+            )
 
-        if ROTATE and split == 0:  # after the loop, which must not need the stored keys
+        if ROTATE and split == 0:  # after the keys above, which must not need the stored ones
             _store_new_kv(
                 new_k_ptr,
                 new_v_ptr,
@@ -338,48 +363,3 @@ if triton is not None:
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
-
-
-if triton is not None:
-
-    @triton.jit
-    def _combine_splits(
-        part_out_ptr,
-        part_ml_ptr,
-        first_row,
-        row_ok,
-        offs_d,
-        NUM_SPLITS: tl.constexpr,
-        HEAD_DIM_PAD: tl.constexpr,
-    ):
-        """The splits' partial outputs of each row [BLOCK_M], weighted by exp2(m - max), and
-        their weighted sum (the unnormalized output and its divisor), splits in order. The
-        partials are read at L2 (``.cg``): they were written by other programs."""
-        m_max = tl.full(first_row.shape, float("-inf"), dtype=tl.float32)
-        for split in range(NUM_SPLITS):
-            m = tl.load(
-                part_ml_ptr + (first_row + split) * 2,
-                mask=row_ok,
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            m_max = tl.maximum(m_max, m)  # finite on a kept row: split 0 holds key 0
-        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # rows not kept: no -inf - -inf
-        total = tl.zeros(first_row.shape, dtype=tl.float32)
-        acc = tl.zeros([first_row.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
-        for split in range(NUM_SPLITS):
-            row = first_row + split
-            m = tl.load(
-                part_ml_ptr + row * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
-            )
-            lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-            weight = tl.exp2(m - m_max)  # 0 where the range saw no key (m = -inf)
-            total += weight * lsum
-            part = tl.load(
-                part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            acc += part * weight[:, None]
-        return acc, total

@@ -47,8 +47,13 @@ if triton is not None:
         angle = position[:, None] * stride_c + (offs_d % half)[None, :]
         cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
-        rotated = tl.where(first[None, :], x * cos - other * sin, x * cos + other * sin)
-        return rotated.to(x_ptr.dtype.element_ty)
+        # The pair's first and second halves, each expression as _rotate has it (the same
+        # rounding, fused multiply-adds included), then this lane's one.
+        x1 = tl.where(first[None, :], x, other)
+        x2 = tl.where(first[None, :], other, x)
+        out1 = x1 * cos - x2 * sin
+        out2 = x2 * cos + x1 * sin
+        return tl.where(first[None, :], out1, out2).to(x_ptr.dtype.element_ty)
 
     @triton.jit
     def _store_new_kv(
