@@ -66,19 +66,22 @@ def attention_cases(device: torch.device, dtype: torch.dtype, contexts) -> list[
                 HEAD_DIM**-0.5,
             )
             engine_splits = num_kv_splits(1, H_KV, 16)  # the engine's choice on CUDA
-            reference = paged_attention(*args, num_splits=engine_splits)
+            # The counters the engine's backend keeps (else each call fills fresh ones).
+            counters = torch.zeros(256, dtype=torch.int32, device=device)
+            attend = partial(paged_attention, *args, split_counters=counters)
+            reference = attend(num_splits=engine_splits)
             row = {"query_len": query_len, "context": context, "engine_splits": engine_splits}
             for splits in sorted({engine_splits, 1}):
-                out = paged_attention(*args, num_splits=splits)
+                out = attend(num_splits=splits)
                 row[f"max_abs_diff_splits_{splits}"] = (out - reference).abs().max().item()
-                run = partial(paged_attention, *args, num_splits=splits)
+                run = partial(attend, num_splits=splits)
                 row[f"us_splits_{splits}"] = graph_us(run, device)
-            row.update(_layer_attention(args, rotary, engine_splits, device))
+            row.update(_layer_attention(args, counters, rotary, engine_splits, device))
             rows.append(row)
     return rows
 
 
-def _layer_attention(args, rotary, splits: int, device: torch.device) -> dict:
+def _layer_attention(args, counters, rotary, splits: int, device: torch.device) -> dict:
     """A layer's attention from the projection's unrotated queries and keys: the rotation
     kernel (which stores the keys and values) then the attention launch, against the one
     launch that rotates and stores itself; outputs and caches compared."""
@@ -89,15 +92,16 @@ def _layer_attention(args, rotary, splits: int, device: torch.device) -> dict:
     positions = torch.arange(context, context + query_len, device=device)
     slots = positions + BLOCK  # block i holds positions of logical block i - 1
     rest = (tables, starts, seq_lens, query_len, scale)
+    options = {"num_splits": splits, "split_counters": counters}
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
 
     def two_launches(k_cache=caches[0][0], v_cache=caches[0][1]):
         q = rotary_store_kv(qk, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots, H_Q)
-        return paged_attention(q, k_cache, v_cache, *rest, num_splits=splits)
+        return paged_attention(q, k_cache, v_cache, *rest, **options)
 
     new_keys = NewKeys(qk[:, H_Q:], v, positions, rotary.cos, rotary.sin, slots)
     rotating = partial(
-        paged_attention, qk[:, :H_Q], *caches[1], *rest, num_splits=splits, new_keys=new_keys
+        paged_attention, qk[:, :H_Q], *caches[1], *rest, **options, new_keys=new_keys
     )
     out_two, out_one = two_launches(), rotating()
     return {

@@ -29,32 +29,29 @@ if triton is not None:
     ):
         """The splits' partial outputs of each row [BLOCK_M], weighted by exp2(m - max), and
         their weighted sum (the unnormalized output and its divisor), splits in order. The
-        partials are read at L2 (``.cg``): they were written by other programs."""
-        m_max = tl.full(first_row.shape, float("-inf"), dtype=tl.float32)
-        for split in range(NUM_SPLITS):
-            m = tl.load(
-                part_ml_ptr + (first_row + split) * 2,
-                mask=row_ok,
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            m_max = tl.maximum(m_max, m)  # finite on a kept row: split 0 holds key 0
+        partials are read at L2 (``.cg``): they were written by other programs. Every load
+        is independent of the sums (the maxima and sums in one [rows, splits] load, the
+        unrolled loop's outputs after), so they are in flight together: in a loop whose
+        loads wait on each other, the L2's latency adds up split by split."""
+        splits = tl.arange(0, NUM_SPLITS)
+        pairs = part_ml_ptr + (first_row[:, None] + splits[None, :]) * 2
+        m = tl.load(pairs, mask=row_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+        lsum = tl.load(pairs + 1, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 1)  # finite on a kept row: split 0 holds key 0
         m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # rows not kept: no -inf - -inf
-        total = tl.zeros(first_row.shape, dtype=tl.float32)
+        # exp2(-inf) = 0 where a range saw no key
+        total = tl.sum(tl.exp2(m - m_max[:, None]) * lsum, 1)
         acc = tl.zeros([first_row.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
-        for split in range(NUM_SPLITS):
+        for split in tl.static_range(NUM_SPLITS):
             row = first_row + split
-            m = tl.load(
+            m_split = tl.load(
                 part_ml_ptr + row * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
             )
-            lsum = tl.load(part_ml_ptr + row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-            weight = tl.exp2(m - m_max)  # 0 where the range saw no key (m = -inf)
-            total += weight * lsum
             part = tl.load(
                 part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
                 mask=row_ok[:, None],
                 other=0.0,
                 cache_modifier=".cg",
             )
-            acc += part * weight[:, None]
+            acc += part * tl.exp2(m_split - m_max)[:, None]
         return acc, total
