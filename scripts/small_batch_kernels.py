@@ -3,10 +3,10 @@ shorten, each timed the way a step's CUDA graph runs it (many launches captured 
 graph, the replay timed: the gaps between kernels included):
 
 - paged attention, 9 query and 3 KV heads of 64, one request with 1 or 4 query rows over
-  contexts of 128 to 4,096 keys: the split count the engine picks (flash-decoding, the
-  last range's program combining) against one split; and the layer's whole attention, the
-  rotation-and-store kernel then the attention launch, against the attention launch that
-  rotates and stores itself (``new_keys``, one launch);
+  contexts of 128 to 4,096 keys: the split count the engine picks (flash-decoding: the
+  split kernel and its combination, two launches) against one split (one launch); and the
+  layer's whole attention, the rotation-and-store kernel then the attention launch,
+  against the attention launch that rotates and stores itself (``new_keys``);
 - the vocabulary argmax of 1, 4 and 64 rows of 49,152 logits: the step's way (the bf16
   logits cast to fp32, then torch's argmax) against torch's argmax of the bf16 logits (the
   same token: the cast is exact and keeps the order).
@@ -66,9 +66,7 @@ def attention_cases(device: torch.device, dtype: torch.dtype, contexts) -> list[
                 HEAD_DIM**-0.5,
             )
             engine_splits = num_kv_splits(1, H_KV, 16)  # the engine's choice on CUDA
-            # The counters the engine's backend keeps (else each call fills fresh ones).
-            counters = torch.zeros(256, dtype=torch.int32, device=device)
-            attend = partial(paged_attention, *args, split_counters=counters)
+            attend = partial(paged_attention, *args)
             reference = attend(num_splits=engine_splits)
             row = {"query_len": query_len, "context": context, "engine_splits": engine_splits}
             for splits in sorted({engine_splits, 1}):
@@ -76,12 +74,12 @@ def attention_cases(device: torch.device, dtype: torch.dtype, contexts) -> list[
                 row[f"max_abs_diff_splits_{splits}"] = (out - reference).abs().max().item()
                 run = partial(attend, num_splits=splits)
                 row[f"us_splits_{splits}"] = graph_us(run, device)
-            row.update(_layer_attention(args, counters, rotary, engine_splits, device))
+            row.update(_layer_attention(args, rotary, engine_splits, device))
             rows.append(row)
     return rows
 
 
-def _layer_attention(args, counters, rotary, splits: int, device: torch.device) -> dict:
+def _layer_attention(args, rotary, splits: int, device: torch.device) -> dict:
     """A layer's attention from the projection's unrotated queries and keys: the rotation
     kernel (which stores the keys and values) then the attention launch, against the one
     launch that rotates and stores itself; outputs and caches compared."""
@@ -92,14 +90,14 @@ def _layer_attention(args, counters, rotary, splits: int, device: torch.device) 
     positions = torch.arange(context, context + query_len, device=device)
     slots = positions + BLOCK  # block i holds positions of logical block i - 1
     rest = (tables, starts, seq_lens, query_len, scale)
-    options = {"num_splits": splits, "split_counters": counters}
+    options = {"num_splits": splits}
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
 
     def two_launches(k_cache=caches[0][0], v_cache=caches[0][1]):
         q = rotary_store_kv(qk, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, slots, H_Q)
         return paged_attention(q, k_cache, v_cache, *rest, **options)
 
-    new_keys = NewKeys(qk[:, H_Q:], v, positions, rotary.cos, rotary.sin, slots)
+    new_keys = NewKeys(qk[:, H_Q:], v, rotary.cos, rotary.sin, slots)
     rotating = partial(
         paged_attention, qk[:, :H_Q], *caches[1], *rest, **options, new_keys=new_keys
     )

@@ -42,7 +42,10 @@ except ImportError:  # tandem imports without triton; paged_attention then raise
     triton = None
 
 if triton is not None:
-    from tandem.layers.triton_attention_kernels import _paged_attention_kernel
+    from tandem.layers.triton_attention_kernels import (
+        _combine_splits_kernel,
+        _paged_attention_kernel,
+    )
 
 _LOG2_E = 1.4426950408889634
 
@@ -51,14 +54,13 @@ _LOG2_E = 1.4426950408889634
 class NewKeys:
     """The step's own keys and values for the attention launch to rotate and store itself
     (``fused_rotary.rotary_store_kv``'s work, one launch fewer): the unrotated keys ``k``
-    and the values ``v`` [T, H_kv, D] (head dimension contiguous), the tokens'
-    ``positions`` [T], the rotary ``cos``/``sin`` tables [max_position, D / 2] (rows
-    contiguous) and the cache slots ``slot_mapping`` [T]. The queries given with it are
-    unrotated too."""
+    and the values ``v`` [T, H_kv, D] (head dimension contiguous), the rotary
+    ``cos``/``sin`` tables [max_position, D / 2] (rows contiguous) and the cache slots
+    ``slot_mapping`` [T]. The queries given with it are unrotated too. A token's position
+    is the attention's: query row j of request b sits at ``seq_lens[b] - query_len + j``."""
 
     k: torch.Tensor
     v: torch.Tensor
-    positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     slot_mapping: torch.Tensor
@@ -68,10 +70,6 @@ class NewKeys:
 # 132 SMs); only for decode and short verification rows, whose tiles are few.
 _TARGET_PROGRAMS = 256
 _MAX_SPLITS = 16
-# Split counters a backend keeps per device: one per (query tile, KV head) of a split launch.
-# Its split batches have at most _TARGET_PROGRAMS / 2 (request, KV head) pairs (two splits
-# or more) and at most two tiles per request (its rows fit one tile), so this covers them.
-_SPLIT_COUNTERS = _TARGET_PROGRAMS
 
 
 def num_kv_splits(num_seqs: int, num_kv_heads: int, block_m: int) -> int:
@@ -103,7 +101,6 @@ def paged_attention(
     num_splits: int | None = None,
     min_query_len: int | None = None,
     tuning: dict | None = None,
-    split_counters: torch.Tensor | None = None,
     new_keys: NewKeys | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows ``q`` [T, H_q, D] over the paged cache.
@@ -114,10 +111,8 @@ def paged_attention(
     lengths (it only picks the tile shape). Returns [T, H_q, D] in q's dtype (fp32, bf16 or
     fp16; accumulation is fp32). Reads no device value on the host, so it never waits.
     ``num_splits`` (a power of two; default ``num_kv_splits`` on CUDA, 1 in Triton's
-    interpreter) splits each decode tile's keys over that many programs, the last of which
-    combines them; ``split_counters`` (int32, all 0, left all 0; a fresh zeroed tensor when
-    None or too short) counts the finished ones per tile and KV head: a caller that keeps
-    one for its launches saves a fill per launch. ``min_query_len`` (a lower
+    interpreter) splits each decode tile's keys over that many programs, combined by a
+    second kernel. ``min_query_len`` (a lower
     bound, optional): when a batch mixes rows that fit the 16-row tile (decode,
     verification) with longer ones (prefill), each kind gets its own launch and tile.
     With ``new_keys`` (only for rows that fit the 16-row tile: ``rows_per_short_tile``), ``q``
@@ -151,7 +146,6 @@ def paged_attention(
         scale,
         group,
         short_q,
-        split_counters,
         new_keys,
     )
     if max_query_len <= short_q:
@@ -181,14 +175,13 @@ def _launch(
     scale,
     group,
     short_q,
-    split_counters,
     new_keys,
     block_m: int,
     rows: int,
     splits: int,
     tuning: dict | None = None,
 ) -> None:
-    """One launch of the attention kernel.
+    """One launch of the attention kernel (plus the combination of its splits).
     ``tuning`` overrides launch choices (block_n, num_warps, num_stages) for measurements
     of variants."""
     # Chosen by timing variants on the H200 (scripts/kernel_sweep.py, bf16, 8B shape):
@@ -206,11 +199,8 @@ def _launch(
     block_q = block_m // group
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
-    part_out = part_ml = counters = out  # unused without splits
+    part_out = part_ml = out  # unused without splits
     if splits > 1:
-        counters = split_counters
-        if counters is None or counters.numel() < grid[0] * grid[1]:
-            counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device)
         part_out = torch.empty(
             (num_tokens, num_heads, splits, head_dim_pad), dtype=torch.float32, device=q.device
         )
@@ -227,7 +217,6 @@ def _launch(
         rotary_args = (
             k,
             v,
-            new_keys.positions,
             new_keys.slot_mapping,
             cos,
             sin,
@@ -236,7 +225,7 @@ def _launch(
             sin.stride(0),
         )
     else:  # unused
-        rotary_args = (out,) * 6 + (0,) * 5
+        rotary_args = (out,) * 5 + (0,) * 5
     _paged_attention_kernel[grid](
         out,
         q,
@@ -254,7 +243,6 @@ def _launch(
         block_tables.stride(0),
         part_out,
         part_ml,
-        counters,
         *rotary_args,
         GROUP=group,
         BLOCK_SIZE=block_size,
@@ -271,6 +259,17 @@ def _launch(
         num_warps=tuning["num_warps"],
         num_stages=tuning["num_stages"],
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_out,
+            part_ml,
+            *out.stride(),
+            num_heads,
+            NUM_SPLITS=splits,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+        )
 
 
 def block_table_array(
@@ -300,20 +299,7 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention by one Triton kernel launch per layer (see the module docstrings here
-    and in :mod:`tandem.layers.triton_attention_kernels`). It keeps the split kernel's
-    counters, one tensor per device, shared by every launch it makes (their kernels run one
-    after another on the step's stream, each leaving the counters at 0)."""
-
-    def __init__(self) -> None:
-        self._split_counters: dict[torch.device, torch.Tensor] = {}
-
-    def split_counters(self, device: torch.device) -> torch.Tensor:
-        """The counters of the split attention on ``device`` (made once, zeroed)."""
-        if device not in self._split_counters:
-            self._split_counters[device] = torch.zeros(
-                _SPLIT_COUNTERS, dtype=torch.int32, device=device
-            )
-        return self._split_counters[device]
+    and in :mod:`tandem.layers.triton_attention_kernels`)."""
 
     def build_metadata(
         self,
@@ -354,7 +340,6 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.max_query_len,
             scale,
             min_query_len=metadata.min_query_len,
-            split_counters=self.split_counters(q.device),
         )
 
     def attend_rotating(
@@ -371,7 +356,8 @@ class TritonAttentionBackend(AttentionBackend):
         use_triton=None,
     ):
         """Where every row fits the 16-row tile (decode and verification steps) and the
-        kernels apply, one launch rotates, stores and attends (:class:`NewKeys`); else the
+        kernels apply, one launch rotates, stores and attends (:class:`NewKeys`: each row
+        at the attention's own position, which the layers' ``positions`` equal); else the
         rotation kernel first (``AttentionBackend.attend_rotating``)."""
         num_kv_heads = qk.shape[1] - num_q_heads
         applies = kernels_apply(qk, v, rotary.cos) if use_triton is None else use_triton
@@ -379,9 +365,7 @@ class TritonAttentionBackend(AttentionBackend):
             return super().attend_rotating(
                 qk, v, positions, rotary, k_cache, v_cache, metadata, scale, num_q_heads
             )
-        new_keys = NewKeys(
-            qk[:, num_q_heads:], v, positions, rotary.cos, rotary.sin, metadata.slot_mapping
-        )
+        new_keys = NewKeys(qk[:, num_q_heads:], v, rotary.cos, rotary.sin, metadata.slot_mapping)
         return paged_attention(
             qk[:, :num_q_heads],
             k_cache,
@@ -392,6 +376,5 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.max_query_len,
             scale,
             min_query_len=metadata.min_query_len,
-            split_counters=self.split_counters(qk.device),
             new_keys=new_keys,
         )

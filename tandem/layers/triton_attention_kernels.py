@@ -1,5 +1,5 @@
-"""The Triton kernel of paged attention: one program per (query tile, KV head[, key range])
-over a ragged batch, the last of a tile's key ranges combining them (flash-decoding).
+"""The Triton kernels of paged attention: one program per (query tile, KV head[, key range])
+over a ragged batch, and the combination of flash-decoding's key ranges.
 
 The batch layout, the launch choices and the backend that calls these are in
 :mod:`tandem.layers.triton_attention`; this module holds only device code. Each kernel keeps
@@ -39,16 +39,9 @@ Grid ``(T // BLOCK_Q + B, H_kv)``, from sizes alone (no host value is read at la
 Flash-decoding: for decode and short verification tiles (``BLOCK_M = 16``) of a small
 batch, grid axis 2 splits each tile's keys into ``num_splits`` consecutive ranges (chosen on
 the host from the batch size and head count, so a CUDA graph keeps it), each program
-writing its unnormalized output with its running max and sum. The last of a tile's
-programs to finish combines them, in the same launch: each program counts itself done on a
-per-(tile, KV head) counter (an atomic add, acquire-release at GPU scope, after a barrier
-so every thread's partial stores come first); the one that brings the count to
-``num_splits`` reads every range's partials back from L2, combines them in a fixed order
-(so the result does not depend on which program was last), writes the output and sets the
-counter back to 0 for the next launch. The counters are all 0 between launches, and one
-kernel fewer per layer runs than with a separate combining kernel. Rows with no visible key
-in a range leave max -inf and sum 0 there, which the combination weighs 0; the first range
-holds key 0, so every row has one finite range.
+writing its unnormalized output with its running max and sum; a second kernel combines
+the splits. Rows with no visible key in a range leave max -inf and sum 0 there, which the
+combination weighs 0; the first range holds key 0, so every row has one finite range.
 
 Triton is imported under a guard: without it this module defines no kernel.
 """
@@ -65,7 +58,6 @@ except ImportError:  # tandem imports without triton; paged_attention then raise
 
 if triton is not None:
     from tandem.layers.triton_attention_rotary import _rotated_rows, _store_new_kv
-    from tandem.layers.triton_attention_splits import _combine_splits
 
     @triton.jit
     def _find_request(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
@@ -133,10 +125,8 @@ if triton is not None:
         stride_bt,
         part_out_ptr,
         part_ml_ptr,
-        split_counter_ptr,
         new_k_ptr,
         new_v_ptr,
-        positions_ptr,
         slot_mapping_ptr,
         cos_ptr,
         sin_ptr,
@@ -160,9 +150,7 @@ if triton is not None:
     ):
         """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request; with
         NUM_SPLITS > 1, one of that many consecutive ranges of its key tiles, whose partial
-        output, running max and sum go to ``part_out`` / ``part_ml``; the tile's last range
-        to finish (``split_counter``, one int32 per (tile, KV head), 0 on entry and left
-        0) combines them.
+        output, running max and sum go to ``part_out`` / ``part_ml`` for the reduction.
         ROWS 1 takes only requests of at most SHORT_Q query rows, ROWS 2 only the others
         (0: all). With ROTATE the queries come unrotated and the step's own keys and
         values are not in the cache yet: the program rotates the queries as it loads them,
@@ -197,10 +185,9 @@ if triton is not None:
         if ROTATE:
             q = _rotated_rows(
                 q_ptr,
-                tl.where(row_ok, token, 0),
                 token * stride_qt + head * stride_qh,
                 row_ok,
-                positions_ptr,
+                query_pos,
                 cos_ptr,
                 sin_ptr,
                 stride_c,
@@ -267,10 +254,9 @@ if triton is not None:
             new_token = tl.where(fresh, q_start + key_pos - context, 0).to(tl.int64)
             k = _rotated_rows(
                 new_k_ptr,
-                new_token,
                 new_token * stride_nkt + kv_head * stride_nkh,
                 fresh,
-                positions_ptr,
+                key_pos,
                 cos_ptr,
                 sin_ptr,
                 stride_c,
@@ -304,7 +290,6 @@ if triton is not None:
                 new_v_ptr,
                 k_cache_ptr,
                 v_cache_ptr,
-                positions_ptr,
                 slot_mapping_ptr,
                 cos_ptr,
                 sin_ptr,
@@ -323,6 +308,7 @@ if triton is not None:
                 stride_vd,
                 q_start,
                 q_len,
+                context,
                 tile_in_seq,
                 kv_head,
                 offs_m,
@@ -344,16 +330,7 @@ if triton is not None:
                 part_ml_ptr + part_row * 2, tl.where(l_i > 0.0, m_i, float("-inf")), mask=row_ok
             )
             tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
-            tl.debug_barrier()  # every thread's stores before the count that publishes them
-            counter = split_counter_ptr + tile * tl.num_programs(1) + kv_head
-            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if finished < NUM_SPLITS - 1:
-                return
-            tl.store(counter, 0)  # no other program of this launch touches it again
-            first_row = part_row - split
-            acc, l_i = _combine_splits(
-                part_out_ptr, part_ml_ptr, first_row, row_ok, offs_d, NUM_SPLITS, HEAD_DIM_PAD
-            )
+            return
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr
@@ -362,4 +339,39 @@ if triton is not None:
             + offs_d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _combine_splits_kernel(
+        out_ptr,
+        part_out_ptr,
+        part_ml_ptr,
+        stride_ot,
+        stride_oh,
+        stride_od,
+        num_heads,
+        NUM_SPLITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+    ):
+        """One (query row, head): the splits' partial outputs weighted by exp2(m - max)."""
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        row = (token * num_heads + head) * NUM_SPLITS
+        splits = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        m = tl.load(part_ml_ptr + (row + splits) * 2)
+        lsum = tl.load(part_ml_ptr + (row + splits) * 2 + 1)
+        m_max = tl.max(m, 0)  # finite: split 0 holds key 0, visible to every row
+        weight = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+        total = tl.sum(weight * lsum, 0)
+        acc = tl.load(part_out_ptr + (row + splits)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+        out = tl.sum(acc * weight[:, None], 0) / total
+        tl.store(
+            out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=offs_d < HEAD_DIM,
         )

@@ -22,18 +22,17 @@ if triton is not None:
     @triton.jit
     def _rotated_rows(
         x_ptr,
-        token,
         row_offset,
         rows_ok,
-        positions_ptr,
+        position,
         cos_ptr,
         sin_ptr,
         stride_c,
         offs_d,
         HEAD_DIM: tl.constexpr,
     ):
-        """Rows of x (one head of tokens ``token`` [R], starting at ``row_offset`` [R]; the
-        head dimension contiguous) rotated by their positions' angles, rotate-half layout:
+        """Rows of x (one head of R tokens, starting at ``row_offset`` [R]; the head
+        dimension contiguous) rotated by the angles of ``position`` [R], rotate-half layout:
         each half's expression as ``fused_rotary._rotate`` writes it, in fp32, rounded to
         x's dtype. [R, len(offs_d)], 0 past HEAD_DIM and on rows not ``rows_ok``."""
         half = HEAD_DIM // 2
@@ -43,8 +42,10 @@ if triton is not None:
         rows = x_ptr + row_offset[:, None]
         x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         other = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        position = tl.load(positions_ptr + token, mask=rows_ok, other=0).to(tl.int64)
-        angle = position[:, None] * stride_c + (offs_d % half)[None, :]
+        angle = (
+            tl.where(rows_ok, position, 0).to(tl.int64)[:, None] * stride_c
+            + (offs_d % half)[None, :]
+        )
         cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
         # The pair's first and second halves, each expression as _rotate has it (the same
@@ -61,7 +62,6 @@ if triton is not None:
         new_v_ptr,
         k_cache_ptr,
         v_cache_ptr,
-        positions_ptr,
         slot_mapping_ptr,
         cos_ptr,
         sin_ptr,
@@ -80,6 +80,7 @@ if triton is not None:
         stride_vd,
         q_start,
         q_len,
+        context,
         tile_in_seq,
         kv_head,
         offs_m,
@@ -90,16 +91,16 @@ if triton is not None:
     ):
         """The rotated keys and the values of one query tile's tokens, KV head
         ``kv_head``, into their cache slots (``slot_mapping``; flat slot s is slot
-        s % BLOCK_SIZE of block s // BLOCK_SIZE)."""
+        s % BLOCK_SIZE of block s // BLOCK_SIZE). Query row j of the request sits at
+        position ``context + j``, as everywhere in the attention kernel."""
         row = tile_in_seq * BLOCK_Q + offs_m
         ok = (offs_m < BLOCK_Q) & (row < q_len)
         token = tl.where(ok, q_start + row, 0).to(tl.int64)
         key = _rotated_rows(
             new_k_ptr,
-            token,
             token * stride_nkt + kv_head * stride_nkh,
             ok,
-            positions_ptr,
+            context + row,
             cos_ptr,
             sin_ptr,
             stride_c,

@@ -96,9 +96,7 @@ def test_rotating_launch_equals_rotation_then_attention(
     want = triton_attention.paged_attention(q, k_ref, v_ref, *args, num_splits=num_splits)
 
     k_cache, v_cache = step["k_cache"].clone(), step["v_cache"].clone()
-    new_keys = triton_attention.NewKeys(
-        qk[:, num_heads:], v, step["positions"], rotary.cos, rotary.sin, step["slots"]
-    )
+    new_keys = triton_attention.NewKeys(qk[:, num_heads:], v, rotary.cos, rotary.sin, step["slots"])
     got = triton_attention.paged_attention(
         qk[:, :num_heads], k_cache, v_cache, *args, num_splits=num_splits, new_keys=new_keys
     )
@@ -153,9 +151,7 @@ def test_new_keys_refuse_rows_longer_than_one_tile():
     qk, v = _split(step, num_heads, num_kv_heads, head_dim)
     backend = triton_attention.TritonAttentionBackend()
     metadata = backend.build_metadata([6], [6], step["tables"], step["slots"], BLOCK_SIZE, DEVICE)
-    new_keys = triton_attention.NewKeys(
-        qk[:, num_heads:], v, step["positions"], rotary.cos, rotary.sin, step["slots"]
-    )
+    new_keys = triton_attention.NewKeys(qk[:, num_heads:], v, rotary.cos, rotary.sin, step["slots"])
     with pytest.raises(ValueError, match="at most 5 queries"):
         triton_attention.paged_attention(
             qk[:, :num_heads],
