@@ -328,8 +328,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     attends_cache = True
 
-    def attend_cached(self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale):
-        """The kernel over the whole ragged batch; the cache holds the step's keys."""
+    def attend_cached(
+        self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale, new_keys=None
+    ):
+        """The kernel over the whole ragged batch; the cache holds the step's keys (or,
+        with ``new_keys``, the launch rotates and stores them: see :func:`paged_attention`)."""
         return paged_attention(
             q,
             k_cache,
@@ -340,6 +343,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.max_query_len,
             scale,
             min_query_len=metadata.min_query_len,
+            new_keys=new_keys,
         )
 
     def attend_rotating(
@@ -366,15 +370,4 @@ class TritonAttentionBackend(AttentionBackend):
                 qk, v, positions, rotary, k_cache, v_cache, metadata, scale, num_q_heads
             )
         new_keys = NewKeys(qk[:, num_q_heads:], v, rotary.cos, rotary.sin, metadata.slot_mapping)
-        return paged_attention(
-            qk[:, :num_q_heads],
-            k_cache,
-            v_cache,
-            metadata.block_tables,
-            metadata.query_start_loc_device,
-            metadata.seq_lens_device,
-            metadata.max_query_len,
-            scale,
-            min_query_len=metadata.min_query_len,
-            new_keys=new_keys,
-        )
+        return self.attend_cached(qk[:, :num_q_heads], k_cache, v_cache, metadata, scale, new_keys)
