@@ -1,5 +1,6 @@
-"""The fused Triton kernels against their PyTorch references, in Triton's interpreter on
-the CPU (fp32 and fp16; bf16 on the GPU through the engine's tests)."""
+"""The fused Triton kernels against their PyTorch references, fp32 and fp16: in Triton's
+interpreter on the CPU, compiled where there is a GPU (bf16 through the engine's tests).
+The CPU engine test runs only in the interpreter."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from tandem.layers import fused, fused_rotary
 from tandem.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(fused.triton is None, reason="needs triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-5},
     torch.float16: {"rtol": 2e-3, "atol": 2e-3},
@@ -19,9 +21,10 @@ TOLERANCE = {
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, hidden, with_residual):
     generator = torch.Generator().manual_seed(hidden)
-    x = torch.randn(7, hidden, generator=generator).to(dtype)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype)
-    residual = torch.randn(7, hidden, generator=generator).to(dtype) if with_residual else None
+    x = torch.randn(7, hidden, generator=generator).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(DEVICE, dtype)
+    residual = torch.randn(7, hidden, generator=generator).to(DEVICE, dtype)
+    residual = residual if with_residual else None
     got = fused.rms_norm(x, weight, 1e-5, residual, use_triton=True)
     expected = fused.rms_norm_reference(x, weight, 1e-5, residual)
     if not with_residual:
@@ -32,8 +35,8 @@ def test_rms_norm(dtype, hidden, with_residual):
 
 
 def test_rms_norm_of_a_strided_view():
-    x = torch.randn(5, 3, 96)[:, 1]  # rows 288 elements apart
-    weight = torch.rand(96) + 0.5
+    x = torch.randn(5, 3, 96, device=DEVICE)[:, 1]  # rows 288 elements apart
+    weight = torch.rand(96, device=DEVICE) + 0.5
     torch.testing.assert_close(
         fused.rms_norm(x, weight, 1e-6, use_triton=True),
         fused.rms_norm_reference(x, weight, 1e-6),
@@ -47,13 +50,13 @@ def test_rms_norm_of_a_strided_view():
 def test_rotary_on_the_fused_qkv_view(dtype, head_dim):
     """q and k heads as the model hands them over: a slice of the fused qkv projection."""
     num_heads, num_kv_heads, tokens = 6, 2, 9
-    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE)
     generator = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(
-        dtype
+        DEVICE, dtype
     )
     qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(tokens, -1, head_dim)
-    positions = torch.randint(0, 512, (tokens,), generator=generator)
+    positions = torch.randint(0, 512, (tokens,), generator=generator).to(DEVICE)
     cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
     got = fused_rotary.rotary(qk, positions, cos, sin, use_triton=True)
     torch.testing.assert_close(
@@ -65,19 +68,19 @@ def test_rotary_on_the_fused_qkv_view(dtype, head_dim):
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_rotary_store_kv_rotates_queries_and_fills_only_the_given_slots(dtype, head_dim):
     num_heads, num_kv_heads, tokens, num_blocks, block_size = 6, 2, 9, 5, 4
-    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE)
     generator = torch.Generator().manual_seed(head_dim + 1)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(
-        dtype
+        DEVICE, dtype
     )
     qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], -1)
     qk, v = qk.view(tokens, -1, head_dim), v.view(tokens, -1, head_dim)  # strided views
-    positions = torch.randint(0, 512, (tokens,), generator=generator)
-    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens]
+    positions = torch.randint(0, 512, (tokens,), generator=generator).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens].to(DEVICE)
     cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
     caches = torch.randn(
         2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator
-    ).to(dtype)
+    ).to(DEVICE, dtype)
     got_k, got_v, want_k, want_v = caches[0, 0], caches[0, 1], caches[1, 0], caches[1, 1]
     want_k.copy_(got_k)
     want_v.copy_(got_v)
@@ -91,7 +94,7 @@ def test_rotary_store_kv_rotates_queries_and_fills_only_the_given_slots(dtype, h
     torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
     torch.testing.assert_close(got_k, want_k, **TOLERANCE[dtype])
     assert torch.equal(got_v, want_v)  # values are copied, not computed
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.equal(
         got_k.view(-1, num_kv_heads, head_dim)[untouched],
@@ -103,8 +106,8 @@ def test_rotary_store_kv_rotates_queries_and_fills_only_the_given_slots(dtype, h
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_mul(dtype):
     generator = torch.Generator().manual_seed(1)
-    gate = (3 * torch.randn(5, 1536, generator=generator)).to(dtype)
-    up = torch.randn(5, 1536, generator=generator).to(dtype)
+    gate = (3 * torch.randn(5, 1536, generator=generator)).to(DEVICE, dtype)
+    up = torch.randn(5, 1536, generator=generator).to(DEVICE, dtype)
     torch.testing.assert_close(
         fused.silu_mul(gate, up, use_triton=True),
         fused.silu_mul_reference(gate, up),
@@ -116,7 +119,7 @@ def test_silu_mul_reads_the_halves_of_a_fused_projection_in_place():
     """The two halves of one gate-up output are strided views: the kernel takes them as they
     are (3-D, several rows) and gives what the reference gives on contiguous copies."""
     generator = torch.Generator().manual_seed(2)
-    gate_up = 3 * torch.randn(2, 3, 2 * 1100, generator=generator)
+    gate_up = 3 * torch.randn(2, 3, 2 * 1100, generator=generator).to(DEVICE)
     gate, up = gate_up.chunk(2, dim=-1)
     assert not gate.is_contiguous()
     got = fused.silu_mul(gate, up, use_triton=True)
@@ -143,8 +146,8 @@ def test_fused_gate_up_mlp_matches_the_two_matrices():
 
 def test_rms_norm_keeps_the_references_dtype():
     """An fp16 input with an fp32 weight (autocast in training): the product is fp32."""
-    x = torch.randn(3, 64).half()
-    weight = torch.rand(64) + 0.5
+    x = torch.randn(3, 64, device=DEVICE).half()
+    weight = torch.rand(64, device=DEVICE) + 0.5
     got = fused.rms_norm(x, weight, 1e-5, use_triton=True)
     expected = fused.rms_norm_reference(x, weight, 1e-5)
     assert got.dtype == expected.dtype == torch.float32
@@ -160,6 +163,7 @@ def test_reference_form_off_cuda_and_under_autograd():
     assert x.grad is not None
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU engine runs kernels only interpreted")
 def test_engine_with_the_kernels_matches_the_reference_form(monkeypatch):
     """The whole model with every fused op as a kernel (in the interpreter) gives the
     reference form's greedy tokens and logprobs: the kernels are wired in right (the q/k
