@@ -43,6 +43,15 @@ writing its unnormalized output with its running max and sum; a second kernel co
 the splits. Rows with no visible key in a range leave max -inf and sum 0 there, which the
 combination weighs 0; the first range holds key 0, so every row has one finite range.
 
+Rotating form (``ROTATE``, decode and verification launches only: every request's rows fit
+one 16-row tile): the queries and the step's own keys arrive unrotated from the projection
+and the cache does not hold the step's keys and values yet. The queries are rotated as they
+load; the loop reads only cached keys (positions before the first query row); the step's
+own keys follow as one 16-row tile, rotated from the projection exactly as the rotation
+kernel rotates them, and the program of split 0 stores its tile's keys and values after
+its keys (:mod:`tandem.layers.triton_attention_rotary`). Every position is the layout's:
+query row j of a request sits at ``seq_lens - query_len + j``.
+
 Triton is imported under a guard: without it this module defines no kernel.
 """
 
