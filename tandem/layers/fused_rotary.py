@@ -1,5 +1,6 @@
 """Rotary embedding as one Triton kernel: alone, or fused with the store of the new keys and
-values into the paged cache (one launch for what the PyTorch form does in several).
+values into the paged cache (one launch for what the PyTorch form does in several); and the
+rotation of loaded rows that the paged attention kernel's rotating form calls.
 
 As for every op of :mod:`tandem.layers.fused`: the kernel rounds where the PyTorch reference
 rounds, the reference runs on the CPU, without triton and whenever autograd needs it, and
@@ -145,6 +146,51 @@ def rotary_store_kv(
 if triton is not None:
 
     @triton.jit
+    def _rotate_halves(x1, x2, cos, sin):
+        """A rotate-half pair (fp32): the first half ``x1 cos - x2 sin``, the second
+        ``x2 cos + x1 sin``. Every kernel that rotates uses this one expression, so they
+        round alike (fused multiply-adds included)."""
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    @triton.jit
+    def _rotated_rows(
+        x_ptr,
+        row_offset,
+        rows_ok,
+        position,
+        cos_ptr,
+        sin_ptr,
+        stride_c,
+        offs_d,
+        HEAD_DIM: tl.constexpr,
+    ):
+        """Rows of x (one head of R tokens, starting at ``row_offset`` [R]; the head
+        dimension contiguous) rotated by the angles of ``position`` [R], rotate-half layout:
+        each half by ``_rotate_halves``, in fp32, rounded to x's dtype. [R, len(offs_d)],
+        0 past HEAD_DIM and on rows not ``rows_ok``. The paged attention kernel's rotating
+        form rotates its queries and the step's own keys with it
+        (:mod:`tandem.layers.triton_attention_kernels`)."""
+        half = HEAD_DIM // 2
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)
+        mask = rows_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        rows = x_ptr + row_offset[:, None]
+        x = tl.load(rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        other = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        angle = (
+            tl.where(rows_ok, position, 0).to(tl.int64)[:, None] * stride_c
+            + (offs_d % half)[None, :]
+        )
+        cos = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
+        # The pair's first and second halves by the rotation kernel's expression, then this
+        # lane's one.
+        x1 = tl.where(first[None, :], x, other)
+        x2 = tl.where(first[None, :], other, x)
+        out1, out2 = _rotate_halves(x1, x2, cos, sin)
+        return tl.where(first[None, :], out1, out2).to(x_ptr.dtype.element_ty)
+
+    @triton.jit
     def _rotate(
         x_ptr,
         pos_ptr,
@@ -168,9 +214,8 @@ if triton is not None:
         base = x_ptr + token * stride_xt + head * stride_xh
         x1 = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        out1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
-        out2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
-        return out1, out2, d, mask
+        out1, out2 = _rotate_halves(x1, x2, cos, sin)
+        return out1.to(x_ptr.dtype.element_ty), out2.to(x_ptr.dtype.element_ty), d, mask
 
     @triton.jit
     def _rotary_kernel(

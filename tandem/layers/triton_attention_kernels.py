@@ -49,7 +49,7 @@ and the cache does not hold the step's keys and values yet. The queries are rota
 load; the loop reads only cached keys (positions before the first query row); the step's
 own keys follow as one 16-row tile, rotated from the projection exactly as the rotation
 kernel rotates them, and the program of split 0 stores its tile's keys and values after
-its keys (:mod:`tandem.layers.triton_attention_rotary`). Every position is the layout's:
+its keys (the rotation: ``fused_rotary._rotated_rows``). Every position is the layout's:
 query row j of a request sits at ``seq_lens - query_len + j``.
 
 Triton is imported under a guard: without it this module defines no kernel.
@@ -66,7 +66,7 @@ except ImportError:  # tandem imports without triton; paged_attention then raise
 
 
 if triton is not None:
-    from tandem.layers.triton_attention_rotary import _rotated_rows, _store_new_kv
+    from tandem.layers.fused_rotary import _rotated_rows
 
     @triton.jit
     def _find_request(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
@@ -294,37 +294,45 @@ if triton is not None:
             )
 
         if ROTATE and split == 0:  # after the keys above, which must not need the stored ones
-            _store_new_kv(
+            # The tile's own tokens' rotated keys and values into their cache slots (flat
+            # slot s is slot s % BLOCK_SIZE of block s // BLOCK_SIZE).
+            row = tile_in_seq * BLOCK_Q + offs_m
+            ok = (offs_m < BLOCK_Q) & (row < q_len)
+            new_token = tl.where(ok, q_start + row, 0).to(tl.int64)
+            store_mask = ok[:, None] & d_ok[None, :]
+            k = _rotated_rows(
                 new_k_ptr,
-                new_v_ptr,
-                k_cache_ptr,
-                v_cache_ptr,
-                slot_mapping_ptr,
+                new_token * stride_nkt + kv_head * stride_nkh,
+                ok,
+                context + row,
                 cos_ptr,
                 sin_ptr,
-                stride_nkt,
-                stride_nkh,
-                stride_nvt,
-                stride_nvh,
                 stride_c,
-                stride_kb,
-                stride_ks,
-                stride_kh,
-                stride_kd,
-                stride_vb,
-                stride_vs,
-                stride_vh,
-                stride_vd,
-                q_start,
-                q_len,
-                context,
-                tile_in_seq,
-                kv_head,
-                offs_m,
                 offs_d,
-                BLOCK_Q,
-                BLOCK_SIZE,
                 HEAD_DIM,
+            )
+            v = tl.load(
+                new_v_ptr
+                + (new_token * stride_nvt + kv_head * stride_nvh)[:, None]
+                + offs_d[None, :],
+                mask=store_mask,
+                other=0.0,
+            )
+            slot = tl.load(slot_mapping_ptr + new_token, mask=ok, other=0).to(tl.int64)
+            block, within = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            tl.store(
+                k_cache_ptr
+                + (block * stride_kb + within * stride_ks + kv_head * stride_kh)[:, None]
+                + offs_d[None, :] * stride_kd,
+                k.to(k_cache_ptr.dtype.element_ty),
+                mask=store_mask,
+            )
+            tl.store(
+                v_cache_ptr
+                + (block * stride_vb + within * stride_vs + kv_head * stride_vh)[:, None]
+                + offs_d[None, :] * stride_vd,
+                v.to(v_cache_ptr.dtype.element_ty),
+                mask=store_mask,
             )
         if NUM_SPLITS > 1:
             # Partials [T, H_q, NUM_SPLITS, HEAD_DIM_PAD] and [T, H_q, NUM_SPLITS, 2] (fp32).
