@@ -71,3 +71,37 @@ def test_triton_backend_matches_torch_backend(interpreter, engine):
             assert got_entry.keys() == entry.keys()
             for token, value in entry.items():
                 assert abs(got_entry[token] - value) <= 2e-5
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the one launch is the default")
+@pytest.mark.parametrize(
+    "engine",
+    [{}, {"speculative": "mtp", "num_speculative_tokens": 2, "speculative_model": "dummy"}],
+    ids=["plain", "mtp"],
+)
+def test_the_rotating_launch_in_the_engine_matches_torch_backend(interpreter, engine):
+    """The attention launch that rotates and stores the step's keys itself, forced on the
+    CPU (in the interpreter) where the GPU takes it: decode and verification steps through
+    it give the torch backend's tokens and logprobs. It rotates each row at the attention's
+    own position (``seq_lens - query_len + j``), not the layers' ``positions``: this checks
+    that the two agree on every step the engine runs, the MTP head's included."""
+    triton_attention = importlib.import_module("tandem.layers.triton_attention")
+    launches = []
+    paged_attention = triton_attention.paged_attention
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("new_keys") is not None)
+        return paged_attention(*args, **kwargs)
+
+    expected = _run("torch", **engine)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_attention, "kernels_apply", lambda *t: not torch.is_grad_enabled())
+        patch.setattr(triton_attention, "paged_attention", counted)
+        got = _run("triton", **engine)
+    assert any(launches) and not all(launches)  # decode steps rotated, prompt steps not
+    for (got_tokens, got_logprobs), (tokens, logprobs) in zip(got, expected, strict=True):
+        assert got_tokens == tokens
+        for got_entry, entry in zip(got_logprobs, logprobs, strict=True):
+            assert got_entry.keys() == entry.keys()
+            for token, value in entry.items():
+                assert abs(got_entry[token] - value) <= 2e-5

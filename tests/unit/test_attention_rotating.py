@@ -105,13 +105,20 @@ def test_rotating_launch_equals_rotation_then_attention(
 
 
 def test_the_backend_rotates_in_the_launch_only_where_every_row_fits_one_tile():
-    """``attend_rotating`` as the layers call it: on a decode step it gives what rotating
-    first gives; a step with a prefill row (too long for the 16-row tile) takes the
-    rotation kernel first, with the same result as the base class's form."""
+    """``attend_rotating`` as the layers call it: on a decode step it rotates in the
+    launch (the rotation kernel does not run) and gives what rotating first gives; a step
+    with a prefill row (too long for the 16-row tile) takes the rotation kernel first, with
+    the same result as the base class's form."""
     num_heads, num_kv_heads, head_dim = 9, 3, 64
     rotary = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE)
+    rotations = []
+    rotate_and_store = rotary.rotate_and_store
+    rotary.rotate_and_store = lambda *args: rotations.append(args) or rotate_and_store(*args)
     backend = triton_attention.TritonAttentionBackend()
-    for query_lens, seq_lens in (([4, 1], [90, 31]), ([4, 37], [90, 37])):
+    for query_lens, seq_lens, kernel_rotations in (
+        ([4, 1], [90, 31], 0),  # verification and decode rows: one launch
+        ([4, 37], [90, 37], 1),  # a prefill row: the rotation kernel first
+    ):
         step = _step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, torch.float32, 5)
         qk, v = _split(step, num_heads, num_kv_heads, head_dim)
         metadata = backend.build_metadata(
@@ -121,10 +128,13 @@ def test_the_backend_rotates_in_the_launch_only_where_every_row_fits_one_tile():
         for rotate_in_launch in (True, False):
             k_cache, v_cache = step["k_cache"].clone(), step["v_cache"].clone()
             attend = backend.attend_rotating if rotate_in_launch else _rotate_first(backend)
+            rotations.clear()
             out = attend(
                 qk, v, step["positions"], rotary, k_cache, v_cache, metadata, 0.125, num_heads,
                 use_triton=True,
             )  # fmt: skip
+            if rotate_in_launch:
+                assert len(rotations) == kernel_rotations
             results.append((out, k_cache, v_cache))
         (out, k_cache, v_cache), (want, k_ref, v_ref) = results
         _assert_same_caches((k_cache, v_cache), (k_ref, v_ref))
