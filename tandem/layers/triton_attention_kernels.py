@@ -47,9 +47,9 @@ Rotating form (``ROTATE``, decode and verification launches only: every request'
 one 16-row tile): the queries and the step's own keys arrive unrotated from the projection
 and the cache does not hold the step's keys and values yet. The queries are rotated as they
 load; the loop reads only cached keys (positions before the first query row); the step's
-own keys follow as one 16-row tile, rotated from the projection exactly as the rotation
-kernel rotates them, and the program of split 0 stores its tile's keys and values after
-its keys (the rotation: ``fused_rotary._rotated_rows``). Every position is the layout's:
+own keys (all in the program's one tile) follow, rotated from the projection exactly as
+the rotation kernel rotates them, and the program of split 0 stores them and the values
+after attending (the rotation: ``fused_rotary._rotated_rows``). Every position is the layout's:
 query row j of a request sits at ``seq_lens - query_len + j``.
 
 Triton is imported under a guard: without it this module defines no kernel.
@@ -256,84 +256,55 @@ if triton is not None:
                 q, k, v, key_ok, key_pos, query_pos, m_i, l_i, acc, scale_log2, DOT_PRECISION
             )
         if ROTATE:
-            # This range's share of the step's own keys (at most the 16 rows of one tile):
-            # rotated from new_k as the store below rotates them, values from new_v.
-            key_pos = tl.maximum(kv_start, context) + tl.arange(0, 16)
-            fresh = key_pos < kv_end
-            new_token = tl.where(fresh, q_start + key_pos - context, 0).to(tl.int64)
+            # The step's own keys and values, after the cached ones (the launch is refused
+            # rows past one tile, so this tile holds all of its request's q_len rows): each
+            # rotated once from new_k, attended where it lies in this range, and stored by
+            # split 0 after that (no program of the launch reads them from the cache).
+            own = offs_m < q_len
+            own_pos = context + offs_m
+            own_token = tl.where(own, q_start + offs_m, 0).to(tl.int64)
+            own_mask = own[:, None] & d_ok[None, :]
             k = _rotated_rows(
                 new_k_ptr,
-                new_token * stride_nkt + kv_head * stride_nkh,
-                fresh,
-                key_pos,
+                own_token * stride_nkt + kv_head * stride_nkh,
+                own,
+                own_pos,
                 cos_ptr,
                 sin_ptr,
                 stride_c,
                 offs_d,
                 HEAD_DIM,
-            )
+            ).to(k_cache_ptr.dtype.element_ty)
             v = tl.load(
                 new_v_ptr
-                + (new_token * stride_nvt + kv_head * stride_nvh)[:, None]
+                + (own_token * stride_nvt + kv_head * stride_nvh)[:, None]
                 + offs_d[None, :],
-                mask=fresh[:, None] & d_ok[None, :],
+                mask=own_mask,
                 other=0.0,
-            )
+            ).to(v_cache_ptr.dtype.element_ty)
+            in_range = own & (own_pos >= kv_start) & (own_pos < kv_end)
             m_i, l_i, acc = _attend_keys(
-                q,
-                k.to(k_cache_ptr.dtype.element_ty),
-                v.to(v_cache_ptr.dtype.element_ty),
-                fresh,
-                key_pos,
-                query_pos,
-                m_i,
-                l_i,
-                acc,
-                scale_log2,
-                DOT_PRECISION,
+                q, k, v, in_range, own_pos, query_pos, m_i, l_i, acc, scale_log2, DOT_PRECISION
             )
-
-        if ROTATE and split == 0:  # after the keys above, which must not need the stored ones
-            # The tile's own tokens' rotated keys and values into their cache slots (flat
-            # slot s is slot s % BLOCK_SIZE of block s // BLOCK_SIZE).
-            row = tile_in_seq * BLOCK_Q + offs_m
-            ok = (offs_m < BLOCK_Q) & (row < q_len)
-            new_token = tl.where(ok, q_start + row, 0).to(tl.int64)
-            store_mask = ok[:, None] & d_ok[None, :]
-            k = _rotated_rows(
-                new_k_ptr,
-                new_token * stride_nkt + kv_head * stride_nkh,
-                ok,
-                context + row,
-                cos_ptr,
-                sin_ptr,
-                stride_c,
-                offs_d,
-                HEAD_DIM,
-            )
-            v = tl.load(
-                new_v_ptr
-                + (new_token * stride_nvt + kv_head * stride_nvh)[:, None]
-                + offs_d[None, :],
-                mask=store_mask,
-                other=0.0,
-            )
-            slot = tl.load(slot_mapping_ptr + new_token, mask=ok, other=0).to(tl.int64)
-            block, within = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-            tl.store(
-                k_cache_ptr
-                + (block * stride_kb + within * stride_ks + kv_head * stride_kh)[:, None]
-                + offs_d[None, :] * stride_kd,
-                k.to(k_cache_ptr.dtype.element_ty),
-                mask=store_mask,
-            )
-            tl.store(
-                v_cache_ptr
-                + (block * stride_vb + within * stride_vs + kv_head * stride_vh)[:, None]
-                + offs_d[None, :] * stride_vd,
-                v.to(v_cache_ptr.dtype.element_ty),
-                mask=store_mask,
-            )
+            if (
+                split == 0
+            ):  # into their cache slots (flat slot s: s % BLOCK_SIZE of block s // BLOCK_SIZE)
+                slot = tl.load(slot_mapping_ptr + own_token, mask=own, other=0).to(tl.int64)
+                block, within = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+                tl.store(
+                    k_cache_ptr
+                    + (block * stride_kb + within * stride_ks + kv_head * stride_kh)[:, None]
+                    + offs_d[None, :] * stride_kd,
+                    k,
+                    mask=own_mask,
+                )
+                tl.store(
+                    v_cache_ptr
+                    + (block * stride_vb + within * stride_vs + kv_head * stride_vh)[:, None]
+                    + offs_d[None, :] * stride_vd,
+                    v,
+                    mask=own_mask,
+                )
         if NUM_SPLITS > 1:
             # Partials [T, H_q, NUM_SPLITS, HEAD_DIM_PAD] and [T, H_q, NUM_SPLITS, 2] (fp32).
             part_row = (token * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
