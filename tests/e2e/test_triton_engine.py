@@ -65,12 +65,7 @@ def _run(backend: str, **engine) -> list:
 def test_triton_backend_matches_torch_backend(interpreter, engine):
     expected = _run("torch", **engine)
     got = _run("triton", **engine)
-    for (got_tokens, got_logprobs), (tokens, logprobs) in zip(got, expected, strict=True):
-        assert got_tokens == tokens
-        for got_entry, entry in zip(got_logprobs, logprobs, strict=True):
-            assert got_entry.keys() == entry.keys()
-            for token, value in entry.items():
-                assert abs(got_entry[token] - value) <= 2e-5
+    _assert_same_outputs(got, expected)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the one launch is the default")
@@ -99,6 +94,11 @@ def test_the_rotating_launch_in_the_engine_matches_torch_backend(interpreter, en
         patch.setattr(triton_attention, "paged_attention", counted)
         got = _run("triton", **engine)
     assert any(launches) and not all(launches)  # decode steps rotated, prompt steps not
+    _assert_same_outputs(got, expected)
+
+
+def _assert_same_outputs(got, expected):
+    """The same greedy tokens, and each position's top logprobs within 2e-5."""
     for (got_tokens, got_logprobs), (tokens, logprobs) in zip(got, expected, strict=True):
         assert got_tokens == tokens
         for got_entry, entry in zip(got_logprobs, logprobs, strict=True):
