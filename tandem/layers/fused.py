@@ -58,11 +58,11 @@ def rms_norm(
     ):
         return rms_norm_reference(x, weight, eps, residual)
     shape = x.shape
-    x2 = _rows(x)
+    x2 = as_rows(x)
     # The reference's dtype: the weight's product with the normalized x (in x's dtype).
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = out if residual is None else torch.empty_like(x2)
-    res2 = x2 if residual is None else _rows(residual)
+    res2 = x2 if residual is None else as_rows(residual)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2,
@@ -83,7 +83,7 @@ def rms_norm(
     return out if residual is None else (out, summed.view(shape))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last dim] with the last dimension contiguous (a view where possible)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()

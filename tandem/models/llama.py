@@ -14,6 +14,7 @@ from torch import nn
 from tandem.layers.attention import AttentionBackend, AttentionMetadata
 from tandem.layers.fused import rms_norm, silu_mul
 from tandem.layers.rotary import RotaryEmbedding
+from tandem.layers.skinny_linear import norm_linear, norm_linear_applies
 from tandem.models.registry import ModelArchConfig
 
 
@@ -49,7 +50,11 @@ class Attention(nn.Module):
         self.scale = arch.head_dim**-0.5
 
     def forward(self, positions, hidden, kv_cache, metadata, backend: AttentionBackend):
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), kv_cache, metadata, backend)
+
+    def attend(self, positions, qkv, kv_cache, metadata, backend: AttentionBackend):
+        """The attention block from its fused q/k/v projection ``qkv`` on: rotation, the
+        cache, attention and ``o_proj``."""
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -98,7 +103,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_from_gate_up(self.gate_up_proj(x))
+
+    def down_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from the fused gate-up projection's output."""
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(silu_mul(gate, up))
 
 
@@ -113,7 +122,12 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, hidden, kv_cache, metadata, backend, residual=None):
         """(MLP output, residual): the layer's output is their sum, left for the next
         norm to add in its kernel. Given ``residual``, the input is ``hidden + residual``
-        (added inside the first norm)."""
+        (added inside the first norm). At a few rows on the GPU each norm runs inside the
+        projection after it (:mod:`tandem.layers.skinny_linear`)."""
+        if self._norms_in_projections(hidden):
+            return self._forward_norms_in_projections(
+                positions, hidden, kv_cache, metadata, backend, residual
+            )
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
@@ -121,6 +135,30 @@ class DecoderLayer(nn.Module):
         attended = self.self_attn(positions, normed, kv_cache, metadata, backend)
         normed, residual = self.post_attention_layernorm(attended, residual=residual)
         return self.mlp(normed), residual
+
+    def _norms_in_projections(self, hidden: torch.Tensor) -> bool:
+        """The norm-and-projection kernels apply: plain projections (not tensor-parallel
+        wrappers), the gate-up matrix fused, ``hidden`` few and narrow enough rows on the GPU."""
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        if gate_up is None or not all(type(m) is nn.Linear for m in (qkv, gate_up)):
+            return False
+        return norm_linear_applies(hidden, qkv.weight, gate_up.weight)
+
+    def _forward_norms_in_projections(
+        self, positions, hidden, kv_cache, metadata, backend, residual
+    ):
+        norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
+        qkv = norm_linear(hidden, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias, residual)
+        if residual is None:
+            residual = hidden
+        else:
+            qkv, residual = qkv
+        attended = self.self_attn.attend(positions, qkv, kv_cache, metadata, backend)
+        norm = self.post_attention_layernorm
+        gate_up, residual = norm_linear(
+            attended, norm.weight, norm.eps, self.mlp.gate_up_proj.weight, residual=residual
+        )
+        return self.mlp.down_from_gate_up(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -269,7 +307,8 @@ def load_fused_weights(
 
 
 def split_fused_weights(module: nn.Module, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
-    """The inverse of ``load_fused_weights``: fp32 CPU tensors with q/k/v split again."""
+    """The inverse of ``load_fused_weights``: fp32 CPU tensors with q/k/v split again (and
+    gate/up, where ``MLP.fuse_gate_up`` joined them)."""
     q_size = arch.num_heads * arch.head_dim
     kv_size = arch.num_kv_heads * arch.head_dim
     out: dict[str, torch.Tensor] = {}
@@ -279,6 +318,10 @@ def split_fused_weights(module: nn.Module, arch: ModelArchConfig) -> dict[str, t
             pieces = tensor.split([q_size, kv_size, kv_size], dim=0)
             for proj, piece in zip(_QKV, pieces, strict=True):
                 out[name.replace("qkv_proj", proj)] = piece.contiguous()
+        elif "gate_up_proj" in name:
+            gate, up = tensor.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            out[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
         else:
             out[name] = tensor
     return out

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tandem.layers.attention import AttentionBackend, AttentionMetadata
+from tandem.layers.skinny_linear import two_norm_linear
 from tandem.models.llama import (
     DecoderLayer,
     RMSNorm,
@@ -70,12 +71,35 @@ class MTPLayer(nn.Module):
         """Returns the layer's hidden state g (pre final_norm) for each row. ``hidden`` wider
         than the model is the target's output with the head's fused base features after its
         final hidden state (``MTPHead.feature_layers``): the features are what it drafts from."""
+        out, residual = self._block_outputs(
+            positions, token_embeds, hidden, kv_cache, metadata, backend
+        )
+        return out + residual
+
+    def forward_normed(
+        self, positions, token_embeds, hidden, kv_cache, metadata, backend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, ``final_norm(g)``) with the block's residual add inside the norm's kernel."""
+        out, residual = self._block_outputs(
+            positions, token_embeds, hidden, kv_cache, metadata, backend
+        )
+        normed, summed = self.final_norm(out, residual=residual)
+        return summed, normed
+
+    def _block_outputs(self, positions, token_embeds, hidden, kv_cache, metadata, backend):
         size = self.hnorm.weight.shape[0]
         if hidden.shape[-1] != size:
             hidden = hidden[..., -size:]
-        fused = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden)], dim=-1))
-        out, residual = self.block(positions, fused, kv_cache, metadata, backend)
-        return out + residual
+        # At a few rows on the GPU both norms run inside the projection's kernel.
+        fused = two_norm_linear(
+            token_embeds,
+            hidden,
+            self.enorm.weight,
+            self.hnorm.weight,
+            self.enorm.eps,
+            self.eh_proj.weight,
+        )
+        return self.block(positions, fused, kv_cache, metadata, backend)
 
 
 class MTPHead(nn.Module):
@@ -141,6 +165,12 @@ class MTPHead(nn.Module):
     def layer_for_depth(self, depth: int) -> int:
         """Index of the layer that drafts at ``depth`` (0-based): the last one repeats."""
         return min(depth, self.num_layers - 1)
+
+    def fuse_gate_up(self) -> None:
+        """Every layer's MLP with one gate-up matrix, as the target's on the GPU
+        (``MLP.fuse_gate_up``); ``export_weights`` splits them again."""
+        for layer in self.layers:
+            layer.block.mlp.fuse_gate_up()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Tandem-named tensors (``layers.{i}.<name>``, q/k/v separate)."""

@@ -101,6 +101,8 @@ class ModelRunner:
                 shard_mtp_head(self.mtp_head, rank, world_size)
         if self.device.type == "cuda":
             self.model.fuse_gate_up()  # one GEMM per MLP input on the GPU
+            if self.mtp_head is not None:
+                self.mtp_head.fuse_gate_up()
             # Hand the replaced weights' memory back: the KV cache is sized from what is free.
             torch.cuda.empty_cache()
         # This rank's shapes (its KV heads alone with tensor parallelism): the cache's.

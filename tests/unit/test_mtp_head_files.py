@@ -65,6 +65,19 @@ def test_export_names_are_tandem_names_with_split_qkv():
     assert not any("qkv_proj" in n for n in names)
 
 
+def test_a_head_with_gate_and_up_fused_exports_them_apart():
+    """On the GPU the head's MLPs run one gate-up matrix (``MTPHead.fuse_gate_up``); what it
+    exports loads into an unfused head with the same weights."""
+    head = random_head(TINY, 2, seed=3)
+    reference = {name: t.clone() for name, t in head.export_weights().items()}
+    head.fuse_gate_up()
+    exported = head.export_weights()
+    assert not any("gate_up_proj" in n for n in exported)
+    assert exported.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(exported[name], tensor), name
+
+
 @pytest.mark.parametrize("missing", [HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE])
 def test_read_head_missing_file_names_it(tmp_path, missing):
     save_head(random_head(TINY, 1, seed=0), str(tmp_path), "dummy:tiny")

@@ -61,3 +61,27 @@ def test_mtp_layer_forward_over_paged_cache():
             layer, backend, torch.zeros(shape), list(range(T)), embeds, hidden.flip(0), T, table
         )
         assert not torch.allclose(other, full)
+
+
+def test_forward_normed_is_the_layer_output_and_its_final_norm():
+    """``forward_normed`` (the residual add inside the final norm's kernel) gives what
+    ``forward`` then ``final_norm`` give, in that order."""
+    files = ModelFiles("dummy:tiny")
+    head = load_mtp_head("dummy", files, make_rotary(files.arch)).eval()
+    layer = head.layers[0]
+    backend = TorchAttentionBackend()
+    generator = torch.Generator().manual_seed(1)
+    embeds = torch.randn(3, TINY.hidden_size, generator=generator)
+    hidden = torch.randn(3, TINY.hidden_size, generator=generator)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, TINY.num_kv_heads, TINY.head_dim)
+    slots = torch.tensor([0, 1, 2])
+    metadata = backend.build_metadata([3], [3], [[0]], slots, BLOCK_SIZE, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 2])
+    with torch.no_grad():
+        g = layer(positions, embeds, hidden, torch.zeros(shape), metadata, backend)
+        got_g, got_normed = layer.forward_normed(
+            positions, embeds, hidden, torch.zeros(shape), metadata, backend
+        )
+        torch.testing.assert_close(got_g, g, rtol=0, atol=0)
+        torch.testing.assert_close(got_normed, layer.final_norm(g), rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(got_normed, g)

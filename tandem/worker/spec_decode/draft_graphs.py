@@ -78,7 +78,7 @@ def draft_chain(
             )
         layer_index = proposer.head.layer_for_depth(depth)
         layer = proposer.head.layers[layer_index]
-        hidden = layer(
+        hidden, normed = layer.forward_normed(
             positions,
             proposer.model.embed_tokens(tokens),
             hidden,
@@ -86,7 +86,7 @@ def draft_chain(
             metadata,
             proposer.backend,
         )
-        logits = proposer.model.model_dtype_logits(layer.final_norm(hidden))
+        logits = proposer.model.model_dtype_logits(normed)
         tokens, probs = draft_tokens(logits, sampling, depth)
         drafts.append(tokens)
         if probs is not None:

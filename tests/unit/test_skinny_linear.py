@@ -1,0 +1,182 @@
+"""The norm-inside-the-projection kernels against their PyTorch references, in Triton's
+interpreter on the CPU (fp32 and fp16; bf16 on the GPU), and a whole engine with them
+forced in (plain and MTP)."""
+
+import pytest
+import torch
+
+from tandem.layers import fused, skinny_linear
+
+pytestmark = pytest.mark.skipif(skinny_linear.triton is None, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+}
+
+
+def _tensors(rows, k_in, n_out, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=generator)).to(DEVICE, dtype)
+
+    return {
+        "x": draw(rows, k_in),
+        "residual": draw(rows, k_in),
+        "norm_weight": (1 + 0.1 * torch.randn(k_in, generator=generator)).to(DEVICE, dtype),
+        "norm_weight2": (1 + 0.1 * torch.randn(k_in, generator=generator)).to(DEVICE, dtype),
+        "weight": draw(n_out, k_in, scale=k_in**-0.5),
+        "weight2": draw(n_out, 2 * k_in, scale=(2 * k_in) ** -0.5),
+        "bias": draw(n_out),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_norm_linear(dtype, rows, with_residual, with_bias):
+    # 300 input columns: not a multiple of the kernel's K tile; 40 outputs: not of its N tile.
+    t = _tensors(rows, 300, 40, dtype, seed=rows)
+    residual = t["residual"] if with_residual else None
+    bias = t["bias"] if with_bias else None
+    args = (t["x"], t["norm_weight"], 1e-5, t["weight"], bias, residual)
+    got = skinny_linear.norm_linear(*args, use_triton=True)
+    expected = skinny_linear.norm_linear_reference(*args)
+    if not with_residual:
+        got, expected = (got,), (expected,)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, **TOLERANCE[dtype])
+    if with_residual:  # the residual stream's new value is the sum, rounded, exactly
+        assert torch.equal(got[1], t["x"] + residual)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("n_out", [24, 2100])  # both tilings
+def test_two_norm_linear(dtype, rows, n_out):
+    # 200 columns a half: the K tile (256) straddles the two halves.
+    t = _tensors(rows, 200, n_out, dtype, seed=100 + rows)
+    wide = torch.cat([t["residual"], t["x"]], dim=-1)  # the hidden state: its last columns
+    args = (t["residual"], wide[:, 200:], t["norm_weight"], t["norm_weight2"], 1e-5, t["weight2"])
+    got = skinny_linear.two_norm_linear(*args, use_triton=True)
+    expected = skinny_linear.two_norm_linear_reference(*args)
+    assert got.shape == (rows, n_out)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    unfused = skinny_linear.two_norm_linear(*args, use_triton=False)
+    torch.testing.assert_close(unfused, expected, **TOLERANCE[dtype])
+
+
+def test_each_half_takes_its_own_norm():
+    """The two halves' scales and weights are not swapped or shared: scaling one input by
+    100 leaves the RMSNorm of each half (and so the output) as it was."""
+    t = _tensors(3, 64, 32, torch.float32, seed=5)
+    args = (t["norm_weight"], t["norm_weight2"], 1e-6, t["weight2"])
+    base = skinny_linear.two_norm_linear(t["x"], t["residual"], *args, use_triton=True)
+    scaled = skinny_linear.two_norm_linear(100 * t["x"], t["residual"], *args, use_triton=True)
+    torch.testing.assert_close(scaled, base, rtol=1e-4, atol=1e-4)
+    swapped = skinny_linear.two_norm_linear(
+        t["x"], t["residual"], t["norm_weight2"], t["norm_weight"], 1e-6, t["weight2"],
+        use_triton=True,
+    )  # fmt: skip
+    assert not torch.allclose(swapped, base, rtol=1e-3, atol=1e-3)
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    """Plain decoding runs one row where the verification runs four: a row's output must be
+    the same bits either way, or greedy MTP could part from plain decoding."""
+    t = _tensors(9, 80, 48, torch.float32, seed=7)
+    args = (t["norm_weight"], 1e-5, t["weight"])
+    together = skinny_linear.norm_linear(t["x"], *args, use_triton=True)
+    for row in range(9):
+        alone = skinny_linear.norm_linear(t["x"][row : row + 1], *args, use_triton=True)
+        assert torch.equal(alone[0], together[row])
+
+
+def test_the_rule_for_when_the_kernels_apply():
+    x = torch.randn(4, 8)
+    weight = torch.randn(8, 8)
+    assert not skinny_linear.norm_linear_applies(x, weight)  # CPU tensors
+    out = skinny_linear.norm_linear(x, torch.ones(8), 1e-5, weight)  # the reference form
+    torch.testing.assert_close(
+        out, skinny_linear.norm_linear_reference(x, torch.ones(8), 1e-5, weight)
+    )
+    if torch.cuda.is_available():
+        few = torch.randn(16, 576, device="cuda")
+        assert skinny_linear.norm_linear_applies(few, few[0])
+        assert not skinny_linear.norm_linear_applies(torch.randn(17, 576, device="cuda"))
+        assert not skinny_linear.norm_linear_applies(torch.randn(4, 4096, device="cuda"))
+
+
+def test_misfitting_inputs_are_refused():
+    x = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="does not fit"):
+        skinny_linear.norm_linear(x, torch.ones(10), 1e-5, torch.randn(4, 12), use_triton=True)
+    with pytest.raises(ValueError, match="differ in shape"):
+        skinny_linear.two_norm_linear(
+            x, torch.randn(3, 10), torch.ones(10), torch.ones(10), 1e-5, torch.randn(4, 20)
+        )
+
+
+@pytest.mark.slow  # whole engines in Triton's interpreter
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the kernels are the default")
+@pytest.mark.parametrize(
+    "engine",
+    [{}, {"speculative": "mtp", "num_speculative_tokens": 2, "speculative_model": "dummy"}],
+    ids=["plain", "mtp"],
+)
+def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch, engine):
+    """The whole model with the norms inside the projections (forced in the interpreter,
+    with gate and up fused as on the GPU) gives the unfused chain's greedy tokens and
+    logprobs: the wiring is right (the residual order, the layer's norms and the MTP head's
+    two norms, the head's final norm with its residual)."""
+    from tandem import LLM, SamplingParams
+    from tandem.worker import model_runner
+
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 8]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
+
+    def run():
+        llm = LLM(model="dummy:tiny", dtype="float32", kv_cache_memory_gb=0.01, **engine)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    reference = run()
+    launches = []
+
+    def counted(*args, **kwargs):
+        launches.append(args[0])
+        return launch(*args, **kwargs)
+
+    load_model, load_mtp_head = model_runner.load_model, model_runner.load_mtp_head
+
+    def fused_model(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        model.fuse_gate_up()
+        return model
+
+    def fused_head(*args, **kwargs):
+        head = load_mtp_head(*args, **kwargs)
+        head.fuse_gate_up()
+        return head
+
+    launch = skinny_linear._launch
+    monkeypatch.setattr(skinny_linear, "_launch", counted)
+    monkeypatch.setattr(skinny_linear, "kernels_apply", lambda *t: not torch.is_grad_enabled())
+    monkeypatch.setattr(fused, "kernels_apply", lambda *t: not torch.is_grad_enabled())
+    monkeypatch.setattr(model_runner, "load_model", fused_model)
+    monkeypatch.setattr(model_runner, "load_mtp_head", fused_head)
+    kernels = run()
+    kinds = set(launches)
+    expected_kinds = {skinny_linear._NORM, skinny_linear._NORM_RESIDUAL}
+    if engine:
+        expected_kinds.add(skinny_linear._TWO_NORMS)
+    assert kinds == expected_kinds
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(kernels, reference, strict=True):
+        assert tokens == ref_tokens
+        for got, expected in zip(logprobs, ref_logprobs, strict=True):
+            for token, entry in expected.items():
+                assert abs(got[token].logprob - entry.logprob) < 1e-5
