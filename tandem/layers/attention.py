@@ -63,12 +63,14 @@ class AttentionBackend(ABC):
         scale: float,
         num_q_heads: int,
         use_triton: bool | None = None,
+        after_triton: bool = False,
     ) -> torch.Tensor:
         """For a paged backend: rotate the unrotated queries and keys ``qk`` [T, H_q + H_kv,
         D] by ``rotary`` (a ``RotaryEmbedding``) at ``positions``, store the keys and ``v``
         in the cache and attend; returns [T, H_q, D]. Here the rotation kernel stores and
         ``attend_cached`` attends; a backend may do both in one launch (``use_triton``
-        forces its kernels, as in :mod:`tandem.layers.fused`)."""
+        forces its kernels, as in :mod:`tandem.layers.fused`; ``after_triton``: a Triton
+        kernel wrote ``qk`` and ``v`` just before, so that launch may overlap its tail)."""
         q = rotary.rotate_and_store(
             positions, qk, v, k_cache, v_cache, metadata.slot_mapping, num_q_heads
         )

@@ -29,11 +29,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.layers.dependent_launch import pdl_supported
 from tandem.layers.fused import as_rows, kernels_apply, rms_norm, rms_norm_reference
 
 try:
     import triton
     import triton.language as tl
+
+    from tandem.layers.dependent_launch import pdl_prologue
 except ImportError:  # tandem runs without triton: every op takes its PyTorch form
     triton = None
     tl = None
@@ -167,6 +170,8 @@ def _launch(prologue, x, second, summed, norm_w, second_norm_w, eps, weight, bia
         BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        # After a cuBLAS GEMM: no wait; the attention or SiLU launch after it may overlap.
+        PDL_RELEASE=pdl_supported(x),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -225,7 +230,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL_RELEASE: tl.constexpr,
     ):
+        pdl_prologue(False, PDL_RELEASE)
         pid = tl.program_id(0)
         dtype = x_ptr.dtype.element_ty
         rows = tl.arange(0, BLOCK_M)

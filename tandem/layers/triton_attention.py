@@ -34,6 +34,7 @@ from tandem.layers.attention import (
     AttentionMetadata,
     query_start_locations,
 )
+from tandem.layers.dependent_launch import pdl_launch
 from tandem.layers.fused import kernels_apply
 
 try:
@@ -102,6 +103,7 @@ def paged_attention(
     min_query_len: int | None = None,
     tuning: dict | None = None,
     new_keys: NewKeys | None = None,
+    after_triton: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows ``q`` [T, H_q, D] over the paged cache.
 
@@ -117,7 +119,10 @@ def paged_attention(
     verification) with longer ones (prefill), each kind gets its own launch and tile.
     With ``new_keys`` (only for rows that fit the 16-row tile: ``rows_per_short_tile``), ``q``
     is unrotated and the cache does not hold the step's keys and values yet: the launch
-    rotates and stores them (see :class:`NewKeys`).
+    rotates and stores them (see :class:`NewKeys`). ``after_triton``: a Triton kernel wrote
+    ``q`` just before; on a GPU that has it, the launch then overlaps that kernel's tail
+    (programmatic dependent launch, :mod:`tandem.layers.dependent_launch`), as the
+    combination of the splits always does.
     """
     if triton is None:
         raise RuntimeError("paged_attention needs triton (pip install triton)")
@@ -155,12 +160,13 @@ def paged_attention(
             splits = num_kv_splits(num_seqs, num_kv_heads, 16)
         else:  # Triton's interpreter runs programs one after another: splits only cost
             splits = 1
-        _launch(*args, block_m=16, rows=0, splits=splits, tuning=tuning)
+        _launch(*args, after_triton, block_m=16, rows=0, splits=splits, tuning=tuning)
     elif min_query_len is not None and min_query_len <= short_q:
-        _launch(*args, block_m=16, rows=1, splits=1, tuning=tuning)  # decode, verification
-        _launch(*args, block_m=64, rows=2, splits=1, tuning=tuning)  # prefill rows
+        # Decode and verification rows, then the prefill rows (right after our kernel).
+        _launch(*args, after_triton, block_m=16, rows=1, splits=1, tuning=tuning)
+        _launch(*args, True, block_m=64, rows=2, splits=1, tuning=tuning)
     else:
-        _launch(*args, block_m=64, rows=0, splits=1, tuning=tuning)
+        _launch(*args, after_triton, block_m=64, rows=0, splits=1, tuning=tuning)
     return out
 
 
@@ -176,6 +182,7 @@ def _launch(
     group,
     short_q,
     new_keys,
+    after_triton: bool,
     block_m: int,
     rows: int,
     splits: int,
@@ -226,6 +233,7 @@ def _launch(
         )
     else:  # unused
         rotary_args = (out,) * 5 + (0,) * 5
+    wait, release, launch = pdl_launch(q, after_triton)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -256,10 +264,14 @@ def _launch(
         ROWS=rows,
         SHORT_Q=short_q,
         ROTATE=rotate,
+        PDL_WAIT=wait,
+        PDL_RELEASE=release,
         num_warps=tuning["num_warps"],
         num_stages=tuning["num_stages"],
+        **launch,
     )
     if splits > 1:
+        wait, _, launch = pdl_launch(q, after_triton=True)
         _combine_splits_kernel[(num_tokens, num_heads)](
             out,
             part_out,
@@ -269,6 +281,9 @@ def _launch(
             NUM_SPLITS=splits,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
+            PDL_WAIT=wait,
+            PDL_RELEASE=False,
+            **launch,
         )
 
 
@@ -329,7 +344,14 @@ class TritonAttentionBackend(AttentionBackend):
     attends_cache = True
 
     def attend_cached(
-        self, q, k_cache, v_cache, metadata: TritonAttentionMetadata, scale, new_keys=None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        metadata: TritonAttentionMetadata,
+        scale,
+        new_keys=None,
+        after_triton=False,
     ):
         """The kernel over the whole ragged batch; the cache holds the step's keys (or,
         with ``new_keys``, the launch rotates and stores them: see :func:`paged_attention`)."""
@@ -344,6 +366,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             min_query_len=metadata.min_query_len,
             new_keys=new_keys,
+            after_triton=after_triton,
         )
 
     def attend_rotating(
@@ -358,11 +381,13 @@ class TritonAttentionBackend(AttentionBackend):
         scale,
         num_q_heads,
         use_triton=None,
+        after_triton=False,
     ):
         """Where every row fits the 16-row tile (decode and verification steps) and the
         kernels apply, one launch rotates, stores and attends (:class:`NewKeys`: each row
-        at the attention's own position, which the layers' ``positions`` equal); else the
-        rotation kernel first (``AttentionBackend.attend_rotating``)."""
+        at the attention's own position, which the layers' ``positions`` equal; with
+        ``after_triton`` launched with programmatic dependent launch); else the rotation
+        kernel first (``AttentionBackend.attend_rotating``)."""
         num_kv_heads = qk.shape[1] - num_q_heads
         applies = kernels_apply(qk, v, rotary.cos) if use_triton is None else use_triton
         if not applies or metadata.max_query_len > rows_per_short_tile(num_q_heads, num_kv_heads):
@@ -370,4 +395,6 @@ class TritonAttentionBackend(AttentionBackend):
                 qk, v, positions, rotary, k_cache, v_cache, metadata, scale, num_q_heads
             )
         new_keys = NewKeys(qk[:, num_q_heads:], v, rotary.cos, rotary.sin, metadata.slot_mapping)
-        return self.attend_cached(qk[:, :num_q_heads], k_cache, v_cache, metadata, scale, new_keys)
+        return self.attend_cached(
+            qk[:, :num_q_heads], k_cache, v_cache, metadata, scale, new_keys, after_triton
+        )

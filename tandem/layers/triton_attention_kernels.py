@@ -66,6 +66,7 @@ except ImportError:  # tandem imports without triton; paged_attention then raise
 
 
 if triton is not None:
+    from tandem.layers.dependent_launch import pdl_prologue
     from tandem.layers.fused_rotary import _rotated_rows
 
     @triton.jit
@@ -156,6 +157,8 @@ if triton is not None:
         ROWS: tl.constexpr,
         SHORT_Q: tl.constexpr,
         ROTATE: tl.constexpr,
+        PDL_WAIT: tl.constexpr,
+        PDL_RELEASE: tl.constexpr,
     ):
         """One query tile (BLOCK_Q rows x the GQA group of one KV head) of one request; with
         NUM_SPLITS > 1, one of that many consecutive ranges of its key tiles, whose partial
@@ -166,7 +169,9 @@ if triton is not None:
         takes the step's keys (rotated) and values from ``new_k`` / ``new_v`` instead of
         the cache, and split 0 stores its tile's keys and values at their
         ``slot_mapping`` slots (what ``fused_rotary.rotary_store_kv`` does, in this
-        launch; no program reads those slots here)."""
+        launch; no program reads those slots here). PDL_WAIT / PDL_RELEASE:
+        ``dependent_launch.pdl_prologue``."""
+        pdl_prologue(PDL_WAIT, PDL_RELEASE)
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -344,8 +349,11 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
+        PDL_WAIT: tl.constexpr,
+        PDL_RELEASE: tl.constexpr,
     ):
         """One (query row, head): the splits' partial outputs weighted by exp2(m - max)."""
+        pdl_prologue(PDL_WAIT, PDL_RELEASE)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         row = (token * num_heads + head) * NUM_SPLITS

@@ -52,9 +52,12 @@ class Attention(nn.Module):
     def forward(self, positions, hidden, kv_cache, metadata, backend: AttentionBackend):
         return self.attend(positions, self.qkv_proj(hidden), kv_cache, metadata, backend)
 
-    def attend(self, positions, qkv, kv_cache, metadata, backend: AttentionBackend):
+    def attend(
+        self, positions, qkv, kv_cache, metadata, backend: AttentionBackend, qkv_from_triton=False
+    ):
         """The attention block from its fused q/k/v projection ``qkv`` on: rotation, the
-        cache, attention and ``o_proj``."""
+        cache, attention and ``o_proj`` (``qkv_from_triton``: a Triton kernel projected
+        ``qkv``, which the attention's launch may overlap)."""
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -64,7 +67,15 @@ class Attention(nn.Module):
         # Queries and keys rotate in one call: they are adjacent in the fused projection.
         if backend.attends_cache:  # the rotation also stores the keys and values
             out = backend.attend_rotating(
-                qk, v, positions, self.rotary, *kv_cache, metadata, self.scale, self.num_heads
+                qk,
+                v,
+                positions,
+                self.rotary,
+                *kv_cache,
+                metadata,
+                self.scale,
+                self.num_heads,
+                after_triton=qkv_from_triton and self.q_norm is None,
             )
         else:
             q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
@@ -105,10 +116,11 @@ class MLP(nn.Module):
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_from_gate_up(self.gate_up_proj(x))
 
-    def down_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP's output from the fused gate-up projection's output."""
+    def down_from_gate_up(self, gate_up: torch.Tensor, after_triton: bool = False) -> torch.Tensor:
+        """The MLP's output from the fused gate-up projection's output (``after_triton``: a
+        Triton kernel projected it, ``silu_mul``'s launch can overlap its tail)."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(silu_mul(gate, up, after_triton=after_triton))
 
 
 class DecoderLayer(nn.Module):
@@ -153,12 +165,14 @@ class DecoderLayer(nn.Module):
             residual = hidden
         else:
             qkv, residual = qkv
-        attended = self.self_attn.attend(positions, qkv, kv_cache, metadata, backend)
+        attended = self.self_attn.attend(
+            positions, qkv, kv_cache, metadata, backend, qkv_from_triton=True
+        )
         norm = self.post_attention_layernorm
         gate_up, residual = norm_linear(
             attended, norm.weight, norm.eps, self.mlp.gate_up_proj.weight, residual=residual
         )
-        return self.mlp.down_from_gate_up(gate_up), residual
+        return self.mlp.down_from_gate_up(gate_up, after_triton=True), residual
 
 
 class LlamaModel(nn.Module):
