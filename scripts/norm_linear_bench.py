@@ -8,7 +8,8 @@ microseconds per layer:
 
 - ``norm+qkv``: RMSNorm with the residual add then the q/k/v GEMM (two launches) against
   ``norm_linear`` (one);
-- ``norm+gate_up``: the same before the fused gate-up GEMM;
+- ``norm+gate_up+silu``: RMSNorm with the residual add, the fused gate-up GEMM and
+  SiLU-and-multiply (three launches) against ``norm_linear(..., gated=True)`` (one);
 - ``two_norms+eh_proj``: the MTP head's input, two RMSNorms, their concatenation and the
   projection (four launches) against ``two_norm_linear`` (one).
 
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from tandem.layers.fused import rms_norm
+from tandem.layers.fused import rms_norm, silu_mul
 from tandem.layers.skinny_linear import norm_linear, two_norm_linear
 
 SHAPES = {  # hidden, q + 2 kv width, intermediate, layers
@@ -59,7 +60,10 @@ def _chain(op, x, y, weights):
             out.append(F.linear(normed, w["weight"]))
         else:
             normed, _ = rms_norm(x, w["norm"], EPS, y)
-            out.append(F.linear(normed, w["weight"]))
+            projected = F.linear(normed, w["weight"])
+            if op == "norm+gate_up+silu":
+                projected = silu_mul(*projected.chunk(2, dim=-1))
+            out.append(projected)
     return out
 
 
@@ -69,7 +73,11 @@ def _fused(op, x, y, weights):
         if op == "two_norms+eh_proj":
             out.append(two_norm_linear(x, y, w["norm"], w["norm2"], EPS, w["weight"], True))
         else:
-            out.append(norm_linear(x, w["norm"], EPS, w["weight"], residual=y, use_triton=True)[0])
+            gated = op == "norm+gate_up+silu"
+            projected, _ = norm_linear(
+                x, w["norm"], EPS, w["weight"], residual=y, use_triton=True, gated=gated
+            )
+            out.append(projected)
     return out
 
 
@@ -85,7 +93,7 @@ def cases(shapes, row_counts, device, dtype) -> list[dict]:
     for shape, (hidden, qkv, inter, layers) in shapes.items():
         ops = {
             "norm+qkv": (qkv, hidden),
-            "norm+gate_up": (2 * inter, hidden),
+            "norm+gate_up+silu": (2 * inter, hidden),
             "two_norms+eh_proj": (hidden, 2 * hidden),
         }
         for op, (n_out, k_in) in ops.items():

@@ -16,13 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.layers.dependent_launch import pdl_launch
-
 try:
     import triton
     import triton.language as tl
-
-    from tandem.layers.dependent_launch import pdl_prologue
 except ImportError:  # tandem runs without triton: every op takes its PyTorch form
     triton = None
     tl = None
@@ -101,16 +97,9 @@ def silu_mul_reference(gate, up):
     return F.silu(gate) * up
 
 
-def silu_mul(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    use_triton: bool | None = None,
-    after_triton: bool = False,
-):
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool | None = None):
     """``silu_mul_reference`` in one kernel where it applies. ``gate`` and ``up`` may be views
-    with row strides (the two halves of one fused gate-up projection): no copy is made.
-    ``after_triton``: a Triton kernel wrote them just before (the kernel then launches with
-    programmatic dependent launch, :mod:`tandem.layers.dependent_launch`)."""
+    with row strides (the two halves of one fused gate-up projection): no copy is made."""
     if not (kernels_apply(gate, up) if use_triton is None else use_triton):
         return silu_mul_reference(gate, up)
     n_cols = gate.shape[-1]
@@ -122,19 +111,8 @@ def silu_mul(
     rows = gate2.shape[0]
     if rows and n_cols:
         block = 1024
-        wait, release, launch = pdl_launch(gate, after_triton)
         _silu_mul_kernel[(rows, triton.cdiv(n_cols, block))](
-            gate2,
-            up2,
-            out,
-            n_cols,
-            gate2.stride(0),
-            up2.stride(0),
-            n_cols,
-            BLOCK=block,
-            PDL_WAIT=wait,
-            PDL_RELEASE=release,
-            **launch,
+            gate2, up2, out, n_cols, gate2.stride(0), up2.stride(0), n_cols, BLOCK=block
         )
     return out
 
@@ -174,18 +152,8 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(
-        gate_ptr,
-        up_ptr,
-        out_ptr,
-        n_cols,
-        stride_g,
-        stride_u,
-        stride_o,
-        BLOCK: tl.constexpr,
-        PDL_WAIT: tl.constexpr,
-        PDL_RELEASE: tl.constexpr,
+        gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr
     ):
-        pdl_prologue(PDL_WAIT, PDL_RELEASE)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols

@@ -30,7 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from tandem.layers.dependent_launch import pdl_supported
-from tandem.layers.fused import as_rows, kernels_apply, rms_norm, rms_norm_reference
+from tandem.layers.fused import (
+    as_rows,
+    kernels_apply,
+    rms_norm,
+    rms_norm_reference,
+    silu_mul_reference,
+)
 
 try:
     import triton
@@ -80,19 +86,36 @@ def norm_linear(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     use_triton: bool | None = None,
+    gated: bool = False,
 ):
     """:func:`norm_linear_reference` in one kernel where it applies (the module docstring);
-    returns the projection, and with ``residual`` the pair (projection, ``x + residual``)."""
+    returns the projection, and with ``residual`` the pair (projection, ``x + residual``).
+    ``gated``: ``weight`` is a SwiGLU MLP's fused gate-up matrix (gate rows, then up rows)
+    and the kernel returns ``silu(gate) * up`` (:func:`gated_reference`), SiLU-and-multiply
+    in its epilogue, rounded where ``fused.silu_mul`` rounds."""
     tensors = [norm_weight, weight] + [t for t in (bias, residual) if t is not None]
+    if gated and bias is not None:
+        raise ValueError("the gated form takes no bias")
     if not (norm_linear_applies(x, *tensors) if use_triton is None else use_triton):
-        return norm_linear_reference(x, norm_weight, eps, weight, bias, residual)
+        out = norm_linear_reference(x, norm_weight, eps, weight, bias, residual)
+        if not gated:
+            return out
+        return gated_reference(out) if residual is None else (gated_reference(out[0]), out[1])
     rows = as_rows(x)
     second = rows if residual is None else as_rows(residual)
     summed = torch.empty_like(rows) if residual is not None else rows
     prologue = _NORM if residual is None else _NORM_RESIDUAL
-    out = _launch(prologue, rows, second, summed, norm_weight, norm_weight, eps, weight, bias)
-    out = out.view(*x.shape[:-1], weight.shape[0])
+    out = _launch(
+        prologue, rows, second, summed, norm_weight, norm_weight, eps, weight, bias, gated
+    )
+    out = out.view(*x.shape[:-1], out.shape[-1])
     return out if residual is None else (out, summed.view(x.shape))
+
+
+def gated_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate-up projection's output [..., 2I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu_mul_reference(gate, up)
 
 
 def two_norm_linear_reference(first, second, first_norm, second_norm, eps, weight):
@@ -137,14 +160,18 @@ def tiling(n_out: int) -> tuple[int, int, int, int]:
     return (16 if n_out <= 2048 else 32), 256, 4, 3
 
 
-def _launch(prologue, x, second, summed, norm_w, second_norm_w, eps, weight, bias):
+def _launch(prologue, x, second, summed, norm_w, second_norm_w, eps, weight, bias, gated=False):
     num_rows, width = x.shape
     n_out, k_in = weight.shape
     if k_in != (2 * width if prologue == _TWO_NORMS else width):
         raise ValueError(f"input width {width} does not fit a weight of {k_in} columns")
+    if gated and n_out % 2:
+        raise ValueError(f"a gate-up matrix has an even number of rows, not {n_out}")
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     block_n, block_k, num_warps, num_stages = tiling(n_out)
+    if gated:  # each program takes block_n // 2 columns of the gate and the same of up
+        n_out, block_n = n_out // 2, block_n // 2
     out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     _norm_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x,
@@ -165,12 +192,13 @@ def _launch(prologue, x, second, summed, norm_w, second_norm_w, eps, weight, bia
         out.stride(0),
         eps,
         PROLOGUE=prologue,
+        GATED=gated,
         HAS_BIAS=bias is not None,
         FULL_PRECISION=x.dtype == torch.float32,
         BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        # After a cuBLAS GEMM: no wait; the attention or SiLU launch after it may overlap.
+        # After a cuBLAS GEMM: no wait; the attention launch after it may overlap.
         PDL_RELEASE=pdl_supported(x),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -225,6 +253,7 @@ if triton is not None:
         stride_o,
         eps,
         PROLOGUE: tl.constexpr,
+        GATED: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         FULL_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -258,6 +287,7 @@ if triton is not None:
         inv_rms = tl.rsqrt(squares / width + eps)
         inv_rms2 = tl.rsqrt(squares2 / width + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED: the up half's
         for k0 in range(0, k_in, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < k_in
@@ -278,19 +308,29 @@ if triton is not None:
                 nw = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             normed = (x.to(tl.float32) * scale).to(dtype)
             operand = (normed.to(tl.float32) * nw[None, :]).to(dtype)
-            w = tl.load(
-                w_ptr + cols[None, :] * stride_w + ks[:, None],
-                mask=k_mask[:, None] & col_mask[None, :],
-                other=0.0,
-            )
-            if FULL_PRECISION:
-                acc = tl.dot(operand, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(operand, w, acc)
+            w_mask = k_mask[:, None] & col_mask[None, :]
+            w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=w_mask, other=0.0)
+            acc = _dot(operand, w, acc, FULL_PRECISION)
+            if GATED:  # the up row of each gate row sits n_out rows further down
+                w = tl.load(
+                    w_ptr + (cols + n_out)[None, :] * stride_w + ks[:, None], mask=w_mask, other=0.0
+                )
+                acc_up = _dot(operand, w, acc_up, FULL_PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(dtype)
+        if GATED:  # fused.silu_mul's rounding: the projection, SiLU, then the product
+            gate = out.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+            out = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
         tl.store(
             out_ptr + rows[:, None] * stride_o + cols[None, :],
-            acc.to(out_ptr.dtype.element_ty),
+            out,
             mask=row_mask[:, None] & col_mask[None, :],
         )
+
+    @triton.jit
+    def _dot(a, b, acc, FULL_PRECISION: tl.constexpr):
+        if FULL_PRECISION:  # fp32 operands multiplied in full precision (no TF32)
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)

@@ -116,11 +116,10 @@ class MLP(nn.Module):
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_from_gate_up(self.gate_up_proj(x))
 
-    def down_from_gate_up(self, gate_up: torch.Tensor, after_triton: bool = False) -> torch.Tensor:
-        """The MLP's output from the fused gate-up projection's output (``after_triton``: a
-        Triton kernel projected it, ``silu_mul``'s launch can overlap its tail)."""
+    def down_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from the fused gate-up projection's output."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(silu_mul(gate, up, after_triton=after_triton))
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -135,7 +134,8 @@ class DecoderLayer(nn.Module):
         """(MLP output, residual): the layer's output is their sum, left for the next
         norm to add in its kernel. Given ``residual``, the input is ``hidden + residual``
         (added inside the first norm). At a few rows on the GPU each norm runs inside the
-        projection after it (:mod:`tandem.layers.skinny_linear`)."""
+        projection after it, and SiLU-and-multiply in the gate-up projection's epilogue
+        (:mod:`tandem.layers.skinny_linear`)."""
         if self._norms_in_projections(hidden):
             return self._forward_norms_in_projections(
                 positions, hidden, kv_cache, metadata, backend, residual
@@ -169,10 +169,15 @@ class DecoderLayer(nn.Module):
             positions, qkv, kv_cache, metadata, backend, qkv_from_triton=True
         )
         norm = self.post_attention_layernorm
-        gate_up, residual = norm_linear(
-            attended, norm.weight, norm.eps, self.mlp.gate_up_proj.weight, residual=residual
+        gated, residual = norm_linear(
+            attended,
+            norm.weight,
+            norm.eps,
+            self.mlp.gate_up_proj.weight,
+            residual=residual,
+            gated=True,
         )
-        return self.mlp.down_from_gate_up(gate_up, after_triton=True), residual
+        return self.mlp.down_proj(gated), residual
 
 
 class LlamaModel(nn.Module):

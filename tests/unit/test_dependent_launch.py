@@ -1,9 +1,9 @@
 """Programmatic dependent launch between our kernels: the rule for when a launch takes it,
 and on a GPU that has it, a layer's chain of Triton neighbours (norm inside the q/k/v
 projection, the rotating attention launched to overlap it, the combination of its key
-ranges; norm inside the gate-up projection, SiLU-and-multiply launched to overlap it)
-captured in a CUDA graph gives, replay after replay on fresh inputs, what the same chain
-launched plainly gives: no kernel reads its input before the kernel before it wrote it."""
+ranges launched to overlap the attention; then the gated gate-up projection) captured in a
+CUDA graph gives, replay after replay on fresh inputs, what the same chain launched plainly
+gives: no kernel reads its input before the kernel before it wrote it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ def test_no_dependent_launch_off_a_compiled_gpu():
 
 
 def _chain(x, residual, w, cache, step, after_triton):
-    from tandem.layers.fused import silu_mul
     from tandem.layers.skinny_linear import norm_linear
     from tandem.layers.triton_attention import NewKeys, paged_attention
 
@@ -37,11 +36,9 @@ def _chain(x, residual, w, cache, step, after_triton):
         new_keys=NewKeys(k, v, step["cos"], step["sin"], step["slots"]),
         after_triton=after_triton,
     )
-    gate_up, summed = norm_linear(
-        attended.reshape(x.shape[0], -1), w["n2"], 1e-5, w["gate_up"], residual=summed
+    return norm_linear(
+        attended.reshape(x.shape[0], -1), w["n2"], 1e-5, w["gate_up"], residual=summed, gated=True
     )
-    gate, up = gate_up.chunk(2, dim=-1)
-    return silu_mul(gate, up, after_triton=after_triton), summed
 
 
 @pytest.mark.gpu

@@ -54,6 +54,31 @@ def test_norm_linear(dtype, rows, with_residual, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("n_out", [80, 4200])  # gate-up matrices of both tilings
+def test_norm_linear_gated(dtype, rows, with_residual, n_out):
+    """The gate-up projection with SiLU-and-multiply in its epilogue: what the fused kernels
+    give one after the other (the projection, then ``fused.silu_mul``'s reference)."""
+    t = _tensors(rows, 300, n_out, dtype, seed=50 + rows)
+    residual = t["residual"] if with_residual else None
+    args = (t["x"], t["norm_weight"], 1e-5, t["weight"])
+    got = skinny_linear.norm_linear(*args, residual=residual, gated=True, use_triton=True)
+    projected = skinny_linear.norm_linear_reference(*args, residual=residual)
+    if with_residual:
+        assert torch.equal(got[1], projected[1])
+        got, projected = got[0], projected[0]
+    gate, up = projected.chunk(2, dim=-1)
+    expected = fused.silu_mul_reference(gate, up)
+    assert got.shape == (rows, n_out // 2)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    reference_form = skinny_linear.norm_linear(*args, gated=True, use_triton=False)
+    torch.testing.assert_close(
+        reference_form, skinny_linear.gated_reference(skinny_linear.norm_linear_reference(*args))
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("n_out", [24, 2100])  # both tilings
 def test_two_norm_linear(dtype, rows, n_out):
@@ -114,6 +139,14 @@ def test_misfitting_inputs_are_refused():
     x = torch.randn(2, 10)
     with pytest.raises(ValueError, match="does not fit"):
         skinny_linear.norm_linear(x, torch.ones(10), 1e-5, torch.randn(4, 12), use_triton=True)
+    with pytest.raises(ValueError, match="no bias"):
+        skinny_linear.norm_linear(
+            x, torch.ones(10), 1e-5, torch.randn(4, 10), torch.ones(4), gated=True
+        )
+    with pytest.raises(ValueError, match="even number"):
+        skinny_linear.norm_linear(
+            x, torch.ones(10), 1e-5, torch.randn(5, 10), gated=True, use_triton=True
+        )
     with pytest.raises(ValueError, match="differ in shape"):
         skinny_linear.two_norm_linear(
             x, torch.randn(3, 10), torch.ones(10), torch.ones(10), 1e-5, torch.randn(4, 20)
@@ -130,8 +163,9 @@ def test_misfitting_inputs_are_refused():
 def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch, engine):
     """The whole model with the norms inside the projections (forced in the interpreter,
     with gate and up fused as on the GPU) gives the unfused chain's greedy tokens and
-    logprobs: the wiring is right (the residual order, the layer's norms and the MTP head's
-    two norms, the head's final norm with its residual)."""
+    logprobs: the wiring is right (the residual order, the layer's norms, SiLU-and-multiply
+    in the gate-up epilogue, the MTP head's two norms, the head's final norm with its
+    residual)."""
     from tandem import LLM, SamplingParams
     from tandem.worker import model_runner
 
@@ -148,7 +182,7 @@ def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch
     launches = []
 
     def counted(*args, **kwargs):
-        launches.append(args[0])
+        launches.append((args[0], args[-1] if len(args) > 9 else False))  # (prologue, gated)
         return launch(*args, **kwargs)
 
     load_model, load_mtp_head = model_runner.load_model, model_runner.load_mtp_head
@@ -171,9 +205,14 @@ def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch
     monkeypatch.setattr(model_runner, "load_mtp_head", fused_head)
     kernels = run()
     kinds = set(launches)
-    expected_kinds = {skinny_linear._NORM, skinny_linear._NORM_RESIDUAL}
+    # The first layer's norm (no residual yet), the later ones', the gated gate-up.
+    expected_kinds = {
+        (skinny_linear._NORM, False),
+        (skinny_linear._NORM_RESIDUAL, False),
+        (skinny_linear._NORM_RESIDUAL, True),
+    }
     if engine:
-        expected_kinds.add(skinny_linear._TWO_NORMS)
+        expected_kinds.add((skinny_linear._TWO_NORMS, False))
     assert kinds == expected_kinds
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(kernels, reference, strict=True):
         assert tokens == ref_tokens
