@@ -7,9 +7,9 @@ graph, the replay timed: the gaps between kernels included):
   split kernel and its combination, two launches) against one split (one launch); and the
   layer's whole attention, the rotation-and-store kernel then the attention launch,
   against the attention launch that rotates and stores itself (``new_keys``);
-- the vocabulary argmax of 1, 4 and 64 rows of 49,152 logits: the step's way (the bf16
-  logits cast to fp32, then torch's argmax) against torch's argmax of the bf16 logits (the
-  same token: the cast is exact and keeps the order).
+- the vocabulary argmax of 1, 4 and 64 rows of 49,152 logits: the bf16 logits cast to
+  fp32, then torch's argmax, against torch's argmax of the bf16 logits (the same token: the
+  cast is exact and keeps the order) and ``argmax.argmax_rows`` (one Triton launch).
 
 Each variant's output is checked against the engine's way (attention within bf16 rounding,
 argmax equal). ``--smoke`` runs every case once, untimed, on whatever device there is
@@ -27,6 +27,7 @@ from functools import partial
 import torch
 import triton.testing
 
+from tandem.layers.argmax import argmax_rows
 from tandem.layers.fused_rotary import rotary_store_kv
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.layers.triton_attention import NewKeys, num_kv_splits, paged_attention
@@ -121,12 +122,15 @@ def argmax_cases(device: torch.device, num_rows) -> list[dict]:
         logits[:, 7] = logits[:, 3] = logits.max() + 1  # a tie: the first index wins
         engine = logits.float().argmax(dim=-1)
         bf16 = logits.argmax(dim=-1)
+        one_launch = argmax_rows(logits, use_triton=True)
         rows.append(
             {
                 "rows": count,
                 "same_tokens": bool(torch.equal(engine, bf16)),
+                "same_tokens_one_launch": bool(torch.equal(engine, one_launch)),
                 "us_cast_then_argmax": graph_us(partial(_cast_then_argmax, logits), device),
                 "us_bf16_argmax": graph_us(partial(torch.argmax, logits, dim=-1), device),
+                "us_one_launch_argmax": graph_us(partial(argmax_rows, logits, True), device),
             }
         )
     return rows

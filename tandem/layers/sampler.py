@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.layers.argmax import argmax_rows
 from tandem.layers.keyed_random import TOKEN, keyed_exponential
 from tandem.layers.sampling_kernels import filter_threshold
 
@@ -62,7 +63,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) 
     """One token per row: argmax on greedy rows, an exact draw from the filtered
     distribution elsewhere, keyed by the row's seed and ``positions`` [N] (long, on the
     device: the position of the token each row draws)."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax_rows(logits)
     if batch.all_greedy:
         return greedy_tokens
     sampled = draw(apply_filters(logits, batch), batch.seeds, positions, TOKEN)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.device_copy import to_device
+from tandem.layers.argmax import argmax_rows
 from tandem.layers.logit_adjustments import AdjustedRow, adjust_logits
 from tandem.layers.sampler import (
     LogprobsTensors,
@@ -238,7 +239,7 @@ def sample_step(
     vocab = logits.shape[-1]
     filtered = adjust_logits(_ban_end_tokens(rows, logits), _adjusted_rows(rows), row_tokens)
     filtered = _apply_token_masks(rows, filtered, logits)
-    candidates = filtered.argmax(dim=-1)
+    candidates = argmax_rows(filtered)
     num_emitted = torch.ones(len(rows), dtype=torch.long, device=device)
 
     plain = [i for i, r in enumerate(rows) if not r.num_drafts and not r.params.greedy]
@@ -320,7 +321,7 @@ def sample_uniform(
     row)."""
     num_rows, k = draft_probs.shape[0], draft_probs.shape[1]
     query_len = k + 1
-    argmax = logits.argmax(dim=-1)
+    argmax = argmax_rows(logits)
     tokens = row_tokens.view(num_rows, query_len)
     agree = argmax.view(num_rows, query_len)[:, :k] == tokens[:, 1:]
     greedy_accepted = agree.long().cumprod(dim=1).sum(dim=1)

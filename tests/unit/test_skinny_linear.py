@@ -5,7 +5,7 @@ forced in (plain and MTP)."""
 import pytest
 import torch
 
-from tandem.layers import fused, skinny_linear
+from tandem.layers import argmax, fused, skinny_linear
 
 pytestmark = pytest.mark.skipif(skinny_linear.triton is None, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,7 +165,7 @@ def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch
     with gate and up fused as on the GPU) gives the unfused chain's greedy tokens and
     logprobs: the wiring is right (the residual order, the layer's norms, SiLU-and-multiply
     in the gate-up epilogue, the MTP head's two norms, the head's final norm with its
-    residual)."""
+    residual; the greedy tokens by ``argmax.argmax_rows``'s kernel)."""
     from tandem import LLM, SamplingParams
     from tandem.worker import model_runner
 
@@ -201,6 +201,7 @@ def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch
     monkeypatch.setattr(skinny_linear, "_launch", counted)
     monkeypatch.setattr(skinny_linear, "kernels_apply", lambda *t: not torch.is_grad_enabled())
     monkeypatch.setattr(fused, "kernels_apply", lambda *t: not torch.is_grad_enabled())
+    monkeypatch.setattr(argmax, "kernels_apply", lambda *t: not torch.is_grad_enabled())
     monkeypatch.setattr(model_runner, "load_model", fused_model)
     monkeypatch.setattr(model_runner, "load_mtp_head", fused_head)
     kernels = run()

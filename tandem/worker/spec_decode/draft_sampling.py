@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.layers.argmax import argmax_rows
 from tandem.layers.keyed_random import draft_draw
 from tandem.layers.sampler import SamplingBatch, apply_filters, draw
 
@@ -35,7 +36,7 @@ def draft_tokens(
     dtype: the argmax and the fp32 filters are the same from either), and the
     distributions they were drawn from [rows, V] (None when every row is greedy: q is then
     one-hot on the draft)."""
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     if sampling is None or sampling.batch.all_greedy:
         return tokens, None
     batch = sampling.batch

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from tandem.device_copy import copy_to, to_device
+from tandem.layers.argmax import argmax_rows
 from tandem.worker.cuda_graphs import capture_graph, capture_stream
 from tandem.worker.ragged_graphs import RaggedGraphRunner
 from tandem.worker.spec_decode.proposer import MTPProposer, Proposal, ProposalRow
@@ -80,7 +81,7 @@ class PromptDraftGraphs:
         )
         last = hidden.index_select(0, self.row_ends[: min(size, self.ragged.max_rows)])
         logits = proposer.model.model_dtype_logits(layer.final_norm(last))
-        return last, logits.argmax(dim=-1)
+        return last, argmax_rows(logits)
 
     def applies(self, rows: list[ProposalRow], target_hidden: torch.Tensor, sampling) -> bool:
         """Whether the ragged graph's buffers hold exactly these rows (``target_hidden`` is

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from tandem.device_copy import copy_to
+from tandem.layers.argmax import argmax_rows
 from tandem.layers.sampler import SamplingBatch, compute_logprobs
 from tandem.layers.triton_attention import TritonAttentionMetadata, block_table_array
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -116,7 +117,7 @@ class ResolvedStepGraphs:
         place)."""
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
         rows, metadata, hidden, logits = self._verify(size)
-        candidates = logits.argmax(dim=-1)
+        candidates = argmax_rows(logits)
         accepted = accept(self.slots, slot_ids, rows, candidates)
         drafts = self._draft(hidden, candidates, rows, metadata, accepted, tables, slot_ids)
         self.slots.drafts.index_copy_(0, slot_ids, drafts)
@@ -184,7 +185,7 @@ class ResolvedStepGraphs:
         )
         proposer.uniform_later_layers(head_hidden, rows, candidates, metadata, tables)
         head_hidden = head_hidden.index_select(0, accepted.kept)
-        first = proposer.model.model_dtype_logits(layer.final_norm(head_hidden)).argmax(dim=-1)
+        first = argmax_rows(proposer.model.model_dtype_logits(layer.final_norm(head_hidden)))
         if self.num_drafts == 1:
             return first.unsqueeze(1)
         later, _ = draft_chain(
