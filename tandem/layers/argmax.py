@@ -39,7 +39,7 @@ def argmax_rows(logits: torch.Tensor, use_triton: bool | None = None) -> torch.T
         logits = logits.contiguous()
     block = min(_BLOCK, triton.next_power_of_2(n_cols))
     _argmax_kernel[(rows,)](
-        logits, out, n_cols, logits.stride(0), BLOCK=block, num_warps=min(_WARPS, block // 32)
+        logits, out, n_cols, logits.stride(0), BLOCK=block, num_warps=max(1, min(_WARPS, block // 512))
     )
     return out
 
