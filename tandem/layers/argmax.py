@@ -38,9 +38,8 @@ def argmax_rows(logits: torch.Tensor, use_triton: bool | None = None) -> torch.T
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     block = min(_BLOCK, triton.next_power_of_2(n_cols))
-    _argmax_kernel[(rows,)](
-        logits, out, n_cols, logits.stride(0), BLOCK=block, num_warps=max(1, min(_WARPS, block // 512))
-    )
+    warps = max(1, min(_WARPS, block // 512))  # a power of two: 16 lanes a thread at most
+    _argmax_kernel[(rows,)](logits, out, n_cols, logits.stride(0), BLOCK=block, num_warps=warps)
     return out
 
 

@@ -19,6 +19,7 @@ from tandem.layers.sampler import SamplingBatch, apply_filters
 from tandem.layers.sampling_kernels import filter_threshold, filter_threshold_reference
 
 pytestmark = pytest.mark.skipif(sampling_kernels.triton is None, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,8 @@ def _mixed_rows(vocab: int):
         top_p[row] = _top_p_between(probs[row], int(top_k[row]), rank, gap=5e-5)
     top_p[7] = _top_p_between(probs[7], vocab, 2)  # inside the tie group (value rank 2)
     _assert_top_p_margins(probs, top_k, top_p)
-    return logits, temperature, top_k, top_p, min_p
+    # Built on the CPU (the margins read values); the kernel runs compiled where there is a GPU.
+    return tuple(t.to(DEVICE) for t in (logits, temperature, top_k, top_p, min_p))
 
 
 @pytest.mark.parametrize("vocab", [300, 1500])
@@ -127,7 +129,7 @@ def test_filtered_distributions_keep_ties_and_equal_the_reference(vocab):
     batch = _batch(temperature, top_k, top_p, min_p)
     got = apply_filters(logits, batch, use_triton=True)
     assert torch.equal(got, apply_filters(logits, batch, use_triton=False))
-    torch.testing.assert_close(got.sum(dim=-1), torch.ones(len(got)))
+    torch.testing.assert_close(got.sum(dim=-1), torch.ones(len(got), device=got.device))
     kept = (got > 0).sum(dim=-1)
     assert kept[0] == vocab  # nothing enabled
     assert kept[1] == 5 and kept[9] == 1
