@@ -1,5 +1,6 @@
-"""scripts/small_batch_kernels.py in its smoke mode (every case once, untimed; the attention
-in Triton's interpreter): the variants it would time on a GPU give the engine's outputs."""
+"""scripts/small_batch_kernels.py and scripts/norm_linear_bench.py in their smoke modes
+(every case once, untimed; the kernels in Triton's interpreter): the variants they would
+time on a GPU give the engine's outputs."""
 
 from __future__ import annotations
 
@@ -26,3 +27,19 @@ def test_small_batch_kernels_smoke(tmp_path):
         assert row["us_rotating"] is None and row["us_rotate_then_attend"] is None
     assert [row["rows"] for row in results["argmax"]] == [1, 4]
     assert all(row["same_tokens"] for row in results["argmax"])
+    assert all(row["same_tokens_one_launch"] for row in results["argmax"])
+
+
+def test_norm_linear_bench_smoke(tmp_path):
+    """scripts/norm_linear_bench.py's smoke mode: every fused op (in the interpreter) gives
+    the unfused chain's output, and nothing is timed on the CPU."""
+    out = tmp_path / "norm-linear.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = os.path.join(ROOT, "scripts", "norm_linear_bench.py")
+    subprocess.run([sys.executable, script, str(out), "--smoke"], env=env, cwd=ROOT, check=True)
+    runs = json.loads(out.read_text())["runs"]
+    ops = {"norm+qkv", "norm+gate_up+silu", "two_norms+eh_proj"}
+    assert {row["op"] for row in runs} == ops and len(runs) == 6
+    for row in runs:
+        assert row["max_abs_diff"] < 1e-5
+        assert row["fused_us"] is None and row["unfused_us"] is None
