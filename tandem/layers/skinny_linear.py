@@ -1,27 +1,29 @@
 """Projections of a few rows with the RMSNorm before them inside the GEMM.
 
-At batch 1 a decode step is a chain of some 350 kernels of a few microseconds each, and the
-device idles between consecutive ones. A decoder layer's two norms are kernels of their own
-only because cuBLAS cannot run them: :func:`norm_linear` runs the norm (with the residual
-add) inside one Triton GEMM of at most :data:`MAX_ROWS` rows, and :func:`two_norm_linear`
-the MTP head's input projection with both its norms (the token embedding's and the hidden
-state's, concatenated) in one launch where there were four (two norms, the concatenation,
-the GEMM).
+At batch 1 a decode step is a chain of a few hundred kernels of a few microseconds each,
+and the device idles between consecutive ones. A decoder layer's two norms and its
+SiLU-and-multiply are kernels of their own only because cuBLAS cannot run them:
+:func:`norm_linear` runs the norm (with the residual add) inside one Triton GEMM of at most
+:data:`MAX_ROWS` rows, with ``gated=True`` also SiLU-and-multiply in the gate-up GEMM's
+epilogue, and :func:`two_norm_linear` the MTP head's input projection with both its norms
+(the token embedding's and the hidden state's, concatenated) in one launch where there were
+four (two norms, the concatenation, the GEMM).
 
 Each program owns ``BLOCK_N`` output columns for every row (rows padded to 16 for the tensor
-cores) and streams its slice of the weight once; it first reads its rows whole for the
-norm's sum of squares. The prologue rounds where the unfused chain rounds (the residual sum
-and the normalized input to the input dtype, then the product with the norm's weight), so
-the GEMM sees the very operand the chain hands cuBLAS; only the order of the GEMM's fp32
-sums differs, and it is the same for every row count (a row's output does not depend on
-the rows beside it, so one row of plain decoding and four of a verification agree). fp32
-operands are multiplied in full precision (no TF32).
+cores; gated, as many gate columns and their up columns) and streams its slice of the
+weight once; it first reads its rows whole for the norm's sum of squares. The prologue
+rounds where the unfused chain rounds (the residual sum and the normalized input to the
+input dtype, then the product with the norm's weight), and so does the gated epilogue (the
+projection, SiLU, the product), so the GEMM sees the very operand the chain hands cuBLAS;
+only the order of the GEMM's fp32 sums differs, and it is the same for every row count (a
+row's output does not depend on the rows beside it, so one row of plain decoding and four
+of a verification agree). fp32 operands are multiplied in full precision (no TF32).
 
-Measured on one H200 (benchmarks/README.md, "Norms inside the projections"): faster than
-the norm kernel and cuBLAS at SmolLM2's widths, slower at the 8B's; :data:`MAX_WIDTH` keeps
-the kernels to the small ones. As for :mod:`tandem.layers.fused`: the PyTorch form runs on
-the CPU, without triton and whenever autograd needs it; ``use_triton=True`` forces the
-kernel (tests run it in Triton's interpreter on the CPU).
+Measured on one H200 (benchmarks/README.md, "Fewer launches"): faster than the unfused
+kernels and cuBLAS at SmolLM2's widths, slower at the 8B's; :data:`MAX_WIDTH` keeps the
+kernels to the small ones. As for :mod:`tandem.layers.fused`: the PyTorch form runs on the
+CPU, without triton and whenever autograd needs it; ``use_triton=True`` forces the kernel
+(tests run it in Triton's interpreter on the CPU).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def norm_linear(
     summed = torch.empty_like(rows) if residual is not None else rows
     prologue = _NORM if residual is None else _NORM_RESIDUAL
     out = _launch(
-        prologue, rows, second, summed, norm_weight, norm_weight, eps, weight, bias, gated
+        prologue, rows, second, summed, norm_weight, norm_weight, eps, weight, bias, gated=gated
     )
     out = out.view(*x.shape[:-1], out.shape[-1])
     return out if residual is None else (out, summed.view(x.shape))

@@ -182,7 +182,7 @@ def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch
     launches = []
 
     def counted(*args, **kwargs):
-        launches.append((args[0], args[-1] if len(args) > 9 else False))  # (prologue, gated)
+        launches.append((args[0], kwargs.get("gated", False)))  # (prologue, gated)
         return launch(*args, **kwargs)
 
     load_model, load_mtp_head = model_runner.load_model, model_runner.load_mtp_head
