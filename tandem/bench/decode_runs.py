@@ -79,6 +79,7 @@ def profiled_generate(
         within = profiled["within_waves"]
         result["gpu_idle_within_requests"] = within["idle_fraction"]
         result["gpu_idle_within_requests_host"] = within["host_fraction"]
+        result["gpu_host_gaps_within_requests"] = within["host_gaps"]
     elif "within_waves_note" in profiled:
         result["gpu_idle_within_requests_note"] = profiled["within_waves_note"]
     if timed_s:

@@ -99,23 +99,64 @@ def within_waves(waves: list[list[tuple[float, float]]]) -> dict:
     """Busy and idle over each wave's own window (its first device op to its last), added
     up over the waves: the gaps between waves (the host between one ``generate`` and the
     next) are left out. ``idle_fraction`` and its ``host_fraction`` (gaps past
-    ``GAP_BOUNDS_US``) are shares of the summed windows."""
+    ``GAP_BOUNDS_US``) are shares of the summed windows; ``host_gaps`` says where in their
+    waves those gaps fall (:func:`host_gaps`)."""
     window_us = busy_us = host_us = 0.0
-    for intervals in waves:
+    gaps = []
+    for index, intervals in enumerate(waves):
         window = (min(s for s, _ in intervals), max(e for _, e in intervals))
         length = window[1] - window[0]
         window_us += length
         busy_us += busy_fraction(intervals, window) * length
         host_us += idle_by_gap(intervals, window)["host"] * length
+        gaps += [{"wave": index, **gap} for gap in host_gaps(intervals, window)]
     idle = 1.0 - busy_us / window_us if window_us > 0 else None
     host = host_us / window_us if window_us > 0 else None
+    by_place = {place: 0.0 for place in GAP_PLACES}
+    for gap in gaps:
+        by_place[gap["place"]] += gap["us"]
     return {
         "waves": len(waves),
         "window_us": window_us,
         "busy_us": busy_us,
         "idle_fraction": idle,
         "host_fraction": host,
+        "host_gaps": {
+            "us_by_place": by_place,
+            "count": len(gaps),
+            "longest": sorted(gaps, key=lambda gap: -gap["us"])[:10],
+        },
     }
+
+
+# Where in its wave a gap falls: the first and last 2% of the wave's window (a request's
+# start, its prefill, its end), or between (its decode steps).
+GAP_PLACES = ("start", "middle", "end")
+_EDGE_SHARE = 0.02
+
+
+def host_gaps(
+    intervals: list[tuple[float, float]],
+    window: tuple[float, float],
+    bound: float = GAP_BOUNDS_US[1],
+) -> list[dict]:
+    """The gaps longer than ``bound`` microseconds between the union's busy spans inside
+    ``window`` (the device waiting for the host), in time order: each its start
+    ``offset_us`` from the window's start, its length ``us`` and its ``place``
+    (``GAP_PLACES``, by where the gap starts)."""
+    lo, hi = window
+    spans = sorted((max(s, lo), min(e, hi)) for s, e in intervals if min(e, hi) > max(s, lo))
+    gaps, reached = [], None
+    for start, end in spans:
+        if reached is not None and start - reached > bound:
+            offset = reached - lo
+            share = offset / (hi - lo)
+            place = (
+                "start" if share < _EDGE_SHARE else "end" if share > 1 - _EDGE_SHARE else "middle"
+            )
+            gaps.append({"offset_us": offset, "us": start - reached, "place": place})
+        reached = end if reached is None else max(reached, end)
+    return gaps
 
 
 def _method(obj: Any, name: str, default: Any = None) -> Any:

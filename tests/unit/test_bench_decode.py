@@ -17,8 +17,10 @@ from tandem.bench.decode import mode_name, parse_modes, run_decode_bench
 from tandem.bench.device_profile import (
     busy_fraction,
     device_intervals,
+    host_gaps,
     idle_by_gap,
     kernel_totals,
+    within_waves,
 )
 from tandem.cli import build_parser
 
@@ -62,6 +64,25 @@ def test_idle_by_gap_splits_the_idle_share_by_gap_length():
     # Idle before the first span waits for the host too; a degenerate window has none.
     assert idle_by_gap([(4, 10)], (0, 10))["host"] == pytest.approx(0.4)
     assert set(idle_by_gap([], (3, 3)).values()) == {0.0}
+
+
+def test_host_gaps_say_where_in_their_wave_the_long_gaps_fall():
+    # A wave over [0, 2000.5): a gap of 5 (spacing: not listed), 12 at 3 (its start), 30
+    # at 520 (its decode) and 20 at 1980 (its end); overlapping spans merge first.
+    spans = [(0, 3), (15, 500), (100, 200), (505, 520), (550, 1980), (2000, 2000.5)]
+    gaps = host_gaps(spans, (0, 2000.5))
+    assert [(round(g["offset_us"]), round(g["us"]), g["place"]) for g in gaps] == [
+        (3, 12, "start"),
+        (520, 30, "middle"),
+        (1980, 20, "end"),
+    ]
+    within = within_waves([spans, [(0, 10), (40, 50)]])
+    assert within["host_gaps"]["count"] == 4
+    assert within["host_gaps"]["us_by_place"] == pytest.approx(
+        {"start": 12, "middle": 60, "end": 20}
+    )
+    longest = within["host_gaps"]["longest"]
+    assert [(g["wave"], round(g["us"])) for g in longest] == [(0, 30), (1, 30), (0, 20), (0, 12)]
 
 
 def test_parse_modes_round_trips_names():
