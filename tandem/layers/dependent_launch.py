@@ -29,8 +29,9 @@ except ImportError:  # tandem runs without triton
 
 def pdl_supported(tensor: torch.Tensor) -> bool:
     """Whether a kernel on ``tensor``'s device can take part: a compiled launch (a CUDA
-    tensor, not Triton's interpreter) on a GPU of compute capability 9.0 or newer."""
-    if triton is None or not tensor.is_cuda:
+    tensor, not Triton's interpreter) on an NVIDIA GPU of compute capability 9.0 or newer
+    (ROCm reports its own versions through the same call: never there)."""
+    if triton is None or not tensor.is_cuda or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(tensor.device)[0] >= 9
 
