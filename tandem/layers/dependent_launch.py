@@ -17,6 +17,8 @@ allocator hands from one kernel to the next.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -32,6 +34,8 @@ def pdl_supported(tensor: torch.Tensor) -> bool:
     tensor, not Triton's interpreter) on an NVIDIA GPU of compute capability 9.0 or newer
     (ROCm reports its own versions through the same call: never there)."""
     if triton is None or not tensor.is_cuda or torch.version.hip is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(tensor.device)[0] >= 9
 
