@@ -114,11 +114,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_from_gate_up(self.gate_up_proj(x))
-
-    def down_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP's output from the fused gate-up projection's output."""
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(silu_mul(gate, up))
 
 
@@ -149,8 +145,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
     def _norms_in_projections(self, hidden: torch.Tensor) -> bool:
-        """The norm-and-projection kernels apply: plain projections (not tensor-parallel
-        wrappers), the gate-up matrix fused, ``hidden`` few and narrow enough rows on the GPU."""
+        """The norm-and-projection kernels apply: q/k/v and the fused gate-up matrix plain
+        linear layers (under tensor parallelism too: each rank's rows, the input whole),
+        ``hidden`` few and narrow enough rows on the GPU."""
         qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         if gate_up is None or not all(type(m) is nn.Linear for m in (qkv, gate_up)):
             return False
