@@ -140,6 +140,29 @@ def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
     return {**acceptance(before, after, k), **{n: after[n] - before[n] for n in names}}
 
 
+# The host's clocks in ``_snapshot``: launching steps, of it MTP ragged parts, and waiting.
+_HOST_CLOCKS = ("host_launch_s", "host_ragged_launch_s", "host_wait_s")
+
+
+def fixed_and_per_step(per_question: list[dict]) -> dict | None:
+    """The least-squares line through the questions' (steps, seconds): ``fixed_ms``, what a
+    question costs besides its steps (its start and end: the prompt's step, the step in
+    flight when it ends, the host's work around them), and ``per_step_ms``; None when the
+    questions do not differ in steps (plain decoding of a fixed length)."""
+    points = [(entry["num_steps"], entry["seconds"]) for entry in per_question]
+    if len({steps for steps, _ in points}) < 2:
+        return None
+    mean_steps = sum(steps for steps, _ in points) / len(points)
+    mean_seconds = sum(seconds for _, seconds in points) / len(points)
+    spread = sum((steps - mean_steps) ** 2 for steps, _ in points)
+    slope = sum((steps - mean_steps) * (sec - mean_seconds) for steps, sec in points) / spread
+    return {
+        "fixed_ms": 1e3 * (mean_seconds - slope * mean_steps),
+        "per_step_ms": 1e3 * slope,
+        "questions": len(points),
+    }
+
+
 def _snapshot(llm: Any) -> dict:
     """The engine's metrics and how many MTP steps so far launched rows before the read of
     the step in front (resolved rows; joining prompts) or had a part that waited for it, and
@@ -223,17 +246,18 @@ def questions_run(
     per_question = []
     tally = [0, 0]
     for index, prompt in enumerate(prompts):
-        before = llm.get_metrics()
+        before = _snapshot(llm)
         seconds, tokens = _timed(llm, [prompt], params, recordings, tally)
+        after = _snapshot(llm)
         entry = {
             "question_id": questions[index % len(questions)].get("question_id"),
             "output_tokens": tokens,
             "seconds": seconds,
+            "num_steps": _counter_delta(before, after, "num_steps"),
+            **{name: after[name] - before[name] for name in _HOST_CLOCKS},
         }
         if k:
-            entry["mean_acceptance_length"] = acceptance(before, llm.get_metrics(), k)[
-                "mean_acceptance_length"
-            ]
+            entry["mean_acceptance_length"] = acceptance(before, after, k)["mean_acceptance_length"]
         per_question.append(entry)
     last = _snapshot(llm)
     tokens = sum(entry["output_tokens"] for entry in per_question)
@@ -254,6 +278,7 @@ def questions_run(
     }
     if k:
         run["acceptance_length_per_question"] = [e["mean_acceptance_length"] for e in per_question]
+    run["per_question_fit"] = fixed_and_per_step(per_question)
     if device.startswith("cuda"):
         profiled = num_questions if profile_questions < 1 else min(profile_questions, num_questions)
         run["profiled_questions"] = profiled

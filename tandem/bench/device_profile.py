@@ -83,33 +83,37 @@ WAVE_MARKER = "spin_kernel"
 WAVE_MARKER_CYCLES = 1000
 
 
-def wave_intervals(events: list[tuple[str, str, float, float]]) -> list[list[tuple[float, float]]]:
-    """The intervals of ``device_events`` split at the wave markers, in time order (the
-    markers themselves dropped, and waves without device work)."""
-    waves: list[list[tuple[float, float]]] = [[]]
+def wave_intervals(
+    events: list[tuple[str, str, float, float]],
+) -> list[list[tuple[float, float, str]]]:
+    """The ``(start, end, name)`` of ``device_events`` split at the wave markers, in time
+    order (the markers themselves dropped, and waves without device work)."""
+    waves: list[list[tuple[float, float, str]]] = [[]]
     for name, _, start, end in sorted(events, key=lambda event: event[2]):
         if WAVE_MARKER in name:
             waves.append([])
         else:
-            waves[-1].append((start, end))
+            waves[-1].append((start, end, name))
     return [wave for wave in waves if wave]
 
 
-def within_waves(waves: list[list[tuple[float, float]]]) -> dict:
+def within_waves(waves: list[list[tuple]]) -> dict:
     """Busy and idle over each wave's own window (its first device op to its last), added
     up over the waves: the gaps between waves (the host between one ``generate`` and the
-    next) are left out. ``idle_fraction`` and its ``host_fraction`` (gaps past
-    ``GAP_BOUNDS_US``) are shares of the summed windows; ``host_gaps`` says where in their
-    waves those gaps fall (:func:`host_gaps`)."""
+    next) are left out. A wave is a list of ``(start, end)`` spans, or ``(start, end,
+    name)``. ``idle_fraction`` and its ``host_fraction`` (gaps past ``GAP_BOUNDS_US``) are
+    shares of the summed windows; ``host_gaps`` says where in their waves those gaps fall
+    (:func:`host_gaps`)."""
     window_us = busy_us = host_us = 0.0
     gaps = []
-    for index, intervals in enumerate(waves):
+    for index, spans in enumerate(waves):
+        intervals = [(span[0], span[1]) for span in spans]
         window = (min(s for s, _ in intervals), max(e for _, e in intervals))
         length = window[1] - window[0]
         window_us += length
         busy_us += busy_fraction(intervals, window) * length
         host_us += idle_by_gap(intervals, window)["host"] * length
-        gaps += [{"wave": index, **gap} for gap in host_gaps(intervals, window)]
+        gaps += [{"wave": index, **gap} for gap in host_gaps(spans, window)]
     idle = 1.0 - busy_us / window_us if window_us > 0 else None
     host = host_us / window_us if window_us > 0 else None
     by_place = {place: 0.0 for place in GAP_PLACES}
@@ -136,27 +140,45 @@ _EDGE_SHARE = 0.02
 
 
 def host_gaps(
-    intervals: list[tuple[float, float]],
+    intervals: list[tuple],
     window: tuple[float, float],
     bound: float = GAP_BOUNDS_US[1],
 ) -> list[dict]:
     """The gaps longer than ``bound`` microseconds between the union's busy spans inside
     ``window`` (the device waiting for the host), in time order: each its start
     ``offset_us`` from the window's start, its length ``us`` and its ``place``
-    (``GAP_PLACES``, by where the gap starts)."""
+    (``GAP_PLACES``, by where the gap starts). Spans given as ``(start, end, name)`` also
+    name the device ops on either side of each gap: ``before`` (the op that ended last
+    before it) and ``after`` (the op that ends it), which tell what the host was doing."""
     lo, hi = window
-    spans = sorted((max(s, lo), min(e, hi)) for s, e in intervals if min(e, hi) > max(s, lo))
-    gaps, reached = [], None
-    for start, end in spans:
+    spans = sorted(
+        (
+            (max(span[0], lo), min(span[1], hi), span[2] if len(span) > 2 else None)
+            for span in intervals
+            if min(span[1], hi) > max(span[0], lo)
+        ),
+        key=lambda span: span[:2],
+    )
+    gaps, reached, last_name = [], None, None
+    for start, end, name in spans:
         if reached is not None and start - reached > bound:
             offset = reached - lo
             share = offset / (hi - lo)
             place = (
                 "start" if share < _EDGE_SHARE else "end" if share > 1 - _EDGE_SHARE else "middle"
             )
-            gaps.append({"offset_us": offset, "us": start - reached, "place": place})
-        reached = end if reached is None else max(reached, end)
+            gap = {"offset_us": offset, "us": start - reached, "place": place}
+            if name is not None:
+                gap.update(before=_short_name(last_name), after=_short_name(name))
+            gaps.append(gap)
+        if reached is None or end > reached:
+            reached, last_name = end, name
     return gaps
+
+
+def _short_name(name: str | None, length: int = 80) -> str | None:
+    """A device op's name cut to ``length`` characters (C++ kernel names run long)."""
+    return None if name is None else name[:length]
 
 
 def _method(obj: Any, name: str, default: Any = None) -> Any:

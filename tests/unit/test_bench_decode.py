@@ -83,6 +83,33 @@ def test_host_gaps_say_where_in_their_wave_the_long_gaps_fall():
     )
     longest = within["host_gaps"]["longest"]
     assert [(g["wave"], round(g["us"])) for g in longest] == [(0, 30), (1, 30), (0, 20), (0, 12)]
+    assert "before" not in longest[0]  # spans without names: no neighbours to name
+
+
+def test_host_gaps_name_the_device_ops_around_each_gap():
+    # "b" ends last before the gap at 520 although "c" started after it; "d" ends the gap.
+    spans = [(0, 3, "a"), (2, 520, "b"), (100, 200, "c"), (550, 600, "d")]
+    (gap,) = host_gaps(spans, (0, 600))
+    assert (round(gap["offset_us"]), round(gap["us"])) == (520, 30)
+    assert (gap["before"], gap["after"]) == ("b", "d")
+    (named,) = within_waves([spans])["host_gaps"]["longest"]
+    assert (named["before"], named["after"]) == ("b", "d")
+    # Long kernel names are cut; equal spans without names still sort.
+    long_name = "void at::native::" + "x" * 200
+    (cut,) = host_gaps([(0, 1, long_name), (20, 21, "e")], (0, 21))
+    assert cut["before"] == long_name[:80]
+    assert host_gaps([(0, 1), (0, 1), (20, 21)], (0, 21))[0]["us"] == pytest.approx(19)
+
+
+def test_fixed_and_per_step_fits_question_seconds_against_steps():
+    # 2 ms a question besides its steps, 1 ms a step, exactly.
+    questions = [{"num_steps": n, "seconds": (2.0 + 1.0 * n) / 1e3} for n in (70, 100, 136, 90)]
+    fit = decode_runs.fixed_and_per_step(questions)
+    assert fit["fixed_ms"] == pytest.approx(2.0)
+    assert fit["per_step_ms"] == pytest.approx(1.0)
+    assert fit["questions"] == 4
+    # Plain decoding of a fixed length: every question the same steps, nothing to fit.
+    assert decode_runs.fixed_and_per_step([{"num_steps": 256, "seconds": 0.2}] * 3) is None
 
 
 def test_parse_modes_round_trips_names():
@@ -377,6 +404,16 @@ def test_questions_row_sums_tokens_and_seconds_and_lists_each_acceptance(monkeyp
     assert run["host_launch_s"] == pytest.approx(1.0) and run["host_wait_s"] == pytest.approx(2.0)
     assert run["host_ragged_launch_s"] == pytest.approx(0.5)
     assert [q["question_id"] for q in run["per_question"]] == [81, 82, 83]
+    # Each question's own steps and host clocks (a quarter, an eighth and half its time).
+    first = run["per_question"][0]
+    assert first["num_steps"] == 50 and first["host_launch_s"] == pytest.approx(0.25)
+    assert first["host_ragged_launch_s"] == pytest.approx(0.125)
+    assert first["host_wait_s"] == pytest.approx(0.5)
+    # The line through (50, 1.0), (25, 0.5), (60, 2.5) s by least squares: slope 32.5 / 650
+    # s a step, through the means (45 steps, 4/3 s).
+    fit = run["per_question_fit"]
+    assert fit["per_step_ms"] == pytest.approx(50.0)
+    assert fit["fixed_ms"] == pytest.approx(4000 / 3 - 50.0 * 45)
     # Each question was its own generate of one prompt, and the prompts all differ.
     assert [len(prompts) for prompts, _ in llm.calls] == [1, 1, 1]
     assert len({tuple(p[0]["prompt_token_ids"]) for p, _ in llm.calls}) == 3
