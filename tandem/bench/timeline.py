@@ -1,0 +1,137 @@
+"""Where the host was while the device waited: a reading of one ``torch.profiler`` Chrome
+trace recorded with the CPU and CUDA activities and ``with_stack=True``.
+
+Each ``generate`` call on the host (its ``python_function`` event) bounds one request's
+window on the device: its first device op to its last. Inside that window every gap between
+device ops longer than ``bound`` microseconds is a time the device waited for the host; for
+each, the trace tells what the host was running at the gap's middle (``host_during``) and
+which Python code launched the op that ended it (``launched_by``: the stack at the CUDA
+runtime call, a kernel launch, graph launch or copy, that shares the op's correlation id).
+Stacks are the chains of Python frames from the ``python_function`` events' parent ids,
+kept to the frames of ``package`` (``tandem/`` by default). Per request the window also
+gives the host's time before the first device op and after the last one (work the device
+never saw: the request's setup and its outputs).
+
+``scripts/question_timeline.py`` records such a trace on a GPU and writes this reading.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+
+def _frames(events: list[dict]) -> tuple[list[dict], list[float], dict]:
+    """The ``python_function`` events sorted by start, their starts, and id -> event."""
+    python = sorted(
+        (e for e in events if e.get("cat") == "python_function" and "dur" in e),
+        key=lambda e: e["ts"],
+    )
+    by_id = {e["args"]["Python id"]: e for e in python if "Python id" in e.get("args", {})}
+    return python, [e["ts"] for e in python], by_id
+
+
+def stack_at(time_us: float, python: list[dict], starts: list[float], by_id: dict) -> list[str]:
+    """The Python frames running at ``time_us``, outermost first: the innermost is an
+    ancestor of the frame that started last before it (frames nest), reached through the
+    events' parent ids."""
+    index = bisect.bisect_right(starts, time_us) - 1
+    if index < 0:
+        return []
+    event = python[index]
+    while event is not None and event["ts"] + event["dur"] <= time_us:
+        event = by_id.get(event["args"].get("Python parent id"))
+    chain = []
+    while event is not None:
+        chain.append(event["name"])
+        event = by_id.get(event["args"].get("Python parent id"))
+    return chain[::-1]
+
+
+def own_frames(stack: list[str], package: str, keep: int = 4) -> list[str]:
+    """The last ``keep`` frames of ``stack`` in ``package`` (a path fragment)."""
+    return [frame for frame in stack if package in frame][-keep:]
+
+
+def read_timeline(trace: dict, bound: float = 8.0, package: str = "tandem/", top: int = 20) -> dict:
+    """The reading of a Chrome trace (module docstring): per request its host and device
+    windows and its gaps; over all requests the gaps' microseconds grouped by the innermost
+    ``package`` frame that launched the op ending them and by the one running during them,
+    and the ``top`` longest gaps with both stacks."""
+    events = trace["traceEvents"]
+    python, starts, by_id = _frames(events)
+    device = sorted(
+        (e for e in events if e.get("cat") in DEVICE_CATEGORIES and e.get("dur", 0) > 0),
+        key=lambda e: e["ts"],
+    )
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    requests = [e for e in python if e["name"].endswith(": generate") and package in e["name"]]
+    device_starts = [e["ts"] for e in device]
+    per_request, gaps = [], []
+    for request in requests:
+        host_start, host_end = request["ts"], request["ts"] + request["dur"]
+        lo = bisect.bisect_left(device_starts, host_start)
+        hi = bisect.bisect_right(device_starts, host_end)
+        ops = device[lo:hi]
+        if not ops:
+            continue
+        reached, last_name, busy, request_gaps = ops[0]["ts"], None, 0.0, []
+        for op in ops:
+            end = op["ts"] + op["dur"]
+            if op["ts"] - reached > bound:
+                request_gaps.append((reached, op, last_name))
+            busy += max(0.0, end - max(op["ts"], reached))
+            if end > reached or last_name is None:
+                reached, last_name = max(reached, end), op["name"]
+        first, last = ops[0]["ts"], reached
+        for start, op, before in request_gaps:
+            launch = launches.get(op.get("args", {}).get("correlation"))
+            during = stack_at((start + op["ts"]) / 2, python, starts, by_id)
+            launched = stack_at(launch["ts"], python, starts, by_id) if launch else []
+            gaps.append(
+                {
+                    "request": len(per_request),
+                    "offset_us": start - first,
+                    "us": op["ts"] - start,
+                    "before": before[:80],
+                    "after": op["name"][:80],
+                    "host_during": own_frames(during, package),
+                    "launched_by": own_frames(launched, package),
+                }
+            )
+        per_request.append(
+            {
+                "host_us": host_end - host_start,
+                "device_window_us": last - first,
+                "device_busy_us": busy,
+                "host_before_first_op_us": first - host_start,
+                "host_after_last_op_us": host_end - last,
+                "gaps_us": sum(op["ts"] - start for start, op, _ in request_gaps),
+                "gaps": len(request_gaps),
+            }
+        )
+    return {
+        "bound_us": bound,
+        "requests": per_request,
+        "gap_us_by_launcher": _grouped(gaps, "launched_by"),
+        "gap_us_by_host_frame": _grouped(gaps, "host_during"),
+        "longest": sorted(gaps, key=lambda gap: -gap["us"])[:top],
+    }
+
+
+def _grouped(gaps: list[dict], key: str) -> list[dict]:
+    """The gaps' total microseconds and count by the innermost frame under ``key``, most
+    first."""
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for gap in gaps:
+        frame = gap[key][-1] if gap[key] else "(no frame)"
+        totals[frame][0] += gap["us"]
+        totals[frame][1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    return [{"frame": frame, "us": us, "count": count} for frame, (us, count) in ranked]
