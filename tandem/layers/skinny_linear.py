@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.layers.dependent_launch import pdl_supported
+from tandem.layers.dependent_launch import pdl_launch
 from tandem.layers.fused import (
     as_rows,
     kernels_apply,
@@ -57,7 +57,7 @@ MAX_WIDTH = 1024
 4,096 (the 8B shape), where cuBLAS streams the weights better than one tile of rows does."""
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_NORM, _NORM_RESIDUAL, _TWO_NORMS = 1, 2, 3
+_PLAIN, _NORM, _NORM_RESIDUAL, _TWO_NORMS = 0, 1, 2, 3
 
 
 def norm_linear_applies(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -89,12 +89,14 @@ def norm_linear(
     residual: torch.Tensor | None = None,
     use_triton: bool | None = None,
     gated: bool = False,
+    after_triton: bool = False,
 ):
     """:func:`norm_linear_reference` in one kernel where it applies (the module docstring);
     returns the projection, and with ``residual`` the pair (projection, ``x + residual``).
     ``gated``: ``weight`` is a SwiGLU MLP's fused gate-up matrix (gate rows, then up rows)
     and the kernel returns ``silu(gate) * up`` (:func:`gated_reference`), SiLU-and-multiply
-    in its epilogue, rounded where ``fused.silu_mul`` rounds."""
+    in its epilogue, rounded where ``fused.silu_mul`` rounds. ``after_triton``: a Triton
+    kernel wrote ``x`` just before (this launch may overlap it: ``dependent_launch``)."""
     tensors = [norm_weight, weight] + [t for t in (bias, residual) if t is not None]
     if gated and bias is not None:
         raise ValueError("the gated form takes no bias")
@@ -108,10 +110,41 @@ def norm_linear(
     summed = torch.empty_like(rows) if residual is not None else rows
     prologue = _NORM if residual is None else _NORM_RESIDUAL
     out = _launch(
-        prologue, rows, second, summed, norm_weight, norm_weight, eps, weight, bias, gated=gated
+        prologue,
+        rows,
+        second,
+        summed,
+        norm_weight,
+        norm_weight,
+        eps,
+        weight,
+        bias,
+        gated=gated,
+        after_triton=after_triton,
     )
     out = out.view(*x.shape[:-1], out.shape[-1])
     return out if residual is None else (out, summed.view(x.shape))
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    after_triton: bool = False,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in the same Triton GEMM, no norm, where it applies:
+    between two Triton kernels (``after_triton``: one wrote ``x``) it overlaps both launches
+    (``dependent_launch``), which cuBLAS cannot (the attention's output projection's
+    candidate, timed against cuBLAS by ``scripts/layer_chain_bench.py``)."""
+    tensors = [weight] + ([bias] if bias is not None else [])
+    if not (norm_linear_applies(x, *tensors) if use_triton is None else use_triton):
+        return F.linear(x, weight, bias)
+    rows = as_rows(x)
+    out = _launch(
+        _PLAIN, rows, rows, rows, weight, weight, 1.0, weight, bias, after_triton=after_triton
+    )
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def gated_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -162,7 +195,19 @@ def tiling(n_out: int) -> tuple[int, int, int, int]:
     return (16 if n_out <= 2048 else 32), 256, 4, 3
 
 
-def _launch(prologue, x, second, summed, norm_w, second_norm_w, eps, weight, bias, gated=False):
+def _launch(
+    prologue,
+    x,
+    second,
+    summed,
+    norm_w,
+    second_norm_w,
+    eps,
+    weight,
+    bias,
+    gated=False,
+    after_triton=False,
+):
     num_rows, width = x.shape
     n_out, k_in = weight.shape
     if k_in != (2 * width if prologue == _TWO_NORMS else width):
@@ -175,6 +220,7 @@ def _launch(prologue, x, second, summed, norm_w, second_norm_w, eps, weight, bia
     if gated:  # each program takes block_n // 2 columns of the gate and the same of up
         n_out, block_n = n_out // 2, block_n // 2
     out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
+    wait, release, launch = pdl_launch(x, after_triton)
     _norm_linear_kernel[(triton.cdiv(n_out, block_n),)](
         x,
         second,
@@ -200,10 +246,12 @@ def _launch(prologue, x, second, summed, norm_w, second_norm_w, eps, weight, bia
         BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        # After a cuBLAS GEMM: no wait; the attention launch after it may overlap.
-        PDL_RELEASE=pdl_supported(x),
+        # After a cuBLAS GEMM no wait (it never signals); the launch after it may overlap.
+        PDL_WAIT=wait,
+        PDL_RELEASE=release,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch,
     )
     return out
 
@@ -261,9 +309,10 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL_WAIT: tl.constexpr,
         PDL_RELEASE: tl.constexpr,
     ):
-        pdl_prologue(False, PDL_RELEASE)
+        pdl_prologue(PDL_WAIT, PDL_RELEASE)
         pid = tl.program_id(0)
         dtype = x_ptr.dtype.element_ty
         rows = tl.arange(0, BLOCK_M)
@@ -271,10 +320,11 @@ if triton is not None:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_out
         k_in = width * 2 if PROLOGUE == 3 else width
-        # The norms need their rows' whole sums of squares (the two halves' apart).
+        # The norms need their rows' whole sums of squares (the two halves' apart; no pass
+        # without a norm).
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         squares2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):
+        for k0 in range(0, 0 if PROLOGUE == 0 else k_in, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             mask = row_mask[:, None] & (ks < k_in)[None, :]
             x = _input_tile(x_ptr, y_ptr, rows, ks, mask, width, stride_x, stride_y, PROLOGUE)
@@ -295,21 +345,9 @@ if triton is not None:
             k_mask = ks < k_in
             mask = row_mask[:, None] & k_mask[None, :]
             x = _input_tile(x_ptr, y_ptr, rows, ks, mask, width, stride_x, stride_y, PROLOGUE)
-            if PROLOGUE == 3:
-                first = (ks < width)[None, :]
-                scale = tl.where(first, inv_rms[:, None], inv_rms2[:, None])
-                nw = tl.where(
-                    ks < width,
-                    tl.load(norm_w_ptr + ks, mask=ks < width, other=0.0).to(tl.float32),
-                    tl.load(norm_w2_ptr + ks - width, mask=(ks >= width) & k_mask, other=0.0).to(
-                        tl.float32
-                    ),
-                )
-            else:
-                scale = inv_rms[:, None]
-                nw = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            normed = (x.to(tl.float32) * scale).to(dtype)
-            operand = (normed.to(tl.float32) * nw[None, :]).to(dtype)
+            operand = _operand(
+                x, ks, k_mask, inv_rms, inv_rms2, norm_w_ptr, norm_w2_ptr, width, PROLOGUE
+            )
             w_mask = k_mask[:, None] & col_mask[None, :]
             w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=w_mask, other=0.0)
             acc = _dot(operand, w, acc, FULL_PRECISION)
@@ -330,6 +368,30 @@ if triton is not None:
             out,
             mask=row_mask[:, None] & col_mask[None, :],
         )
+
+    @triton.jit
+    def _operand(x, ks, k_mask, inv_rms, inv_rms2, norm_w_ptr, norm_w2_ptr, width, PROLOGUE):
+        """The GEMM's operand from the input tile ``x``: itself without a norm, else
+        normalized by its rows' ``inv_rms`` (the second half's ``inv_rms2`` with two norms)
+        and multiplied by the norm's weight, rounded as the norm kernel rounds."""
+        if PROLOGUE == 0:
+            return x
+        dtype = norm_w_ptr.dtype.element_ty  # the input's (``norm_linear_applies``)
+        if PROLOGUE == 3:
+            first = (ks < width)[None, :]
+            scale = tl.where(first, inv_rms[:, None], inv_rms2[:, None])
+            nw = tl.where(
+                ks < width,
+                tl.load(norm_w_ptr + ks, mask=ks < width, other=0.0).to(tl.float32),
+                tl.load(norm_w2_ptr + ks - width, mask=(ks >= width) & k_mask, other=0.0).to(
+                    tl.float32
+                ),
+            )
+        else:
+            scale = inv_rms[:, None]
+            nw = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        normed = (x.to(tl.float32) * scale).to(dtype)
+        return (normed.to(tl.float32) * nw[None, :]).to(dtype)
 
     @triton.jit
     def _dot(a, b, acc, FULL_PRECISION: tl.constexpr):

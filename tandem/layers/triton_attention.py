@@ -270,8 +270,8 @@ def _launch(
         num_stages=tuning["num_stages"],
         **launch,
     )
-    if splits > 1:
-        wait, _, launch = pdl_launch(q, after_triton=True)
+    if splits > 1:  # (releasing early for a PDL launch after it: an output projection's)
+        wait, release, launch = pdl_launch(q, after_triton=True)
         _combine_splits_kernel[(num_tokens, num_heads)](
             out,
             part_out,
@@ -282,7 +282,7 @@ def _launch(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             PDL_WAIT=wait,
-            PDL_RELEASE=False,
+            PDL_RELEASE=release,
             **launch,
         )
 

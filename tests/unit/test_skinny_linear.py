@@ -94,6 +94,36 @@ def test_two_norm_linear(dtype, rows, n_out):
     torch.testing.assert_close(unfused, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_without_a_norm(dtype, rows, with_bias):
+    """The plain GEMM (the output projection's candidate) is ``F.linear``; ``after_triton``
+    changes only how it launches (nothing off the GPU), never what it computes."""
+    t = _tensors(rows, 300, 40, dtype, seed=rows + 11)
+    bias = t["bias"] if with_bias else None
+    expected = torch.nn.functional.linear(t["x"], t["weight"], bias)
+    for after_triton in (False, True):
+        got = skinny_linear.linear(t["x"], t["weight"], bias, after_triton, use_triton=True)
+        assert got.dtype == dtype and got.shape == expected.shape
+        torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    # Batched leading dimensions keep their shape; a CPU tensor takes F.linear itself.
+    batched = skinny_linear.linear(t["x"].view(1, rows, 300), t["weight"], use_triton=True)
+    assert batched.shape == (1, rows, 40)
+    cpu = torch.randn(2, 8)
+    assert torch.equal(skinny_linear.linear(cpu, torch.eye(8)), cpu @ torch.eye(8).T)
+
+
+def test_norm_linear_after_triton_computes_the_same():
+    t = _tensors(4, 96, 64, torch.float32, seed=3)
+    args = (t["x"], t["norm_weight"], 1e-5, t["weight"])
+    plain = skinny_linear.norm_linear(*args, residual=t["residual"], gated=True, use_triton=True)
+    waiting = skinny_linear.norm_linear(
+        *args, residual=t["residual"], gated=True, use_triton=True, after_triton=True
+    )
+    assert all(torch.equal(a, b) for a, b in zip(plain, waiting, strict=True))
+
+
 def test_each_half_takes_its_own_norm():
     """The two halves' scales and weights are not swapped or shared: scaling one input by
     100 leaves the RMSNorm of each half (and so the output) as it was."""

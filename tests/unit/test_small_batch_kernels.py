@@ -1,6 +1,6 @@
-"""scripts/small_batch_kernels.py and scripts/norm_linear_bench.py in their smoke modes
-(every case once, untimed; the kernels in Triton's interpreter): the variants they would
-time on a GPU give the engine's outputs."""
+"""scripts/small_batch_kernels.py, norm_linear_bench.py and layer_chain_bench.py in their
+smoke modes (every case once, untimed; the kernels in Triton's interpreter): the variants
+they would time on a GPU give the engine's outputs."""
 
 from __future__ import annotations
 
@@ -43,3 +43,19 @@ def test_norm_linear_bench_smoke(tmp_path):
     for row in runs:
         assert row["max_abs_diff"] < 1e-5
         assert row["fused_us"] is None and row["unfused_us"] is None
+
+
+def test_layer_chain_bench_smoke(tmp_path):
+    """scripts/layer_chain_bench.py's smoke mode: the decoder-layer chain with the output
+    projection by the Triton GEMM (plainly and with dependent launch) ends where the one by
+    ``F.linear`` does, and nothing is timed on the CPU."""
+    out = tmp_path / "layer-chain.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = os.path.join(ROOT, "scripts", "layer_chain_bench.py")
+    subprocess.run([sys.executable, script, str(out), "--smoke"], env=env, cwd=ROOT, check=True)
+    runs = json.loads(out.read_text())["runs"]
+    assert [(row["rows"], row["variant"]) for row in runs] == [
+        (rows, variant) for rows in (1, 4) for variant in ("cublas", "triton", "triton_pdl")
+    ]
+    for row in runs:
+        assert row["max_abs_diff"] < 1e-4 and row["us_per_layer"] is None
