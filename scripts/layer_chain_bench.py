@@ -14,7 +14,9 @@ SiLU-and-multiply, the down projection by cuBLAS. Variants:
 - ``cublas``: the output projection by cuBLAS (the engine today);
 - ``triton``: by the Triton GEMM, launched plainly;
 - ``triton_pdl``: by the Triton GEMM, which waits on the combination with PDL, and the
-  gate-up kernel after it waits on it with PDL (what the engine would run).
+  gate-up kernel after it waits on it with PDL, both loading their weight's first tile
+  before they wait (what the engine would run);
+- ``triton_pdl_no_prefetch``: the same without that early load.
 
 Per variant and row count: microseconds per layer from Triton's ``do_bench_cudagraph`` (the
 gaps between kernels included) and the largest difference of the last layer's output from
@@ -28,6 +30,7 @@ Usage: python scripts/layer_chain_bench.py OUT.json [--smoke]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from functools import partial
 
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from tandem.layers import skinny_linear
 from tandem.layers.skinny_linear import linear, norm_linear
 from tandem.layers.triton_attention import paged_attention
 
@@ -42,7 +46,7 @@ SHAPES = {  # hidden, heads, kv heads, head dim, intermediate, layers, cached to
     "smollm2-135m": (576, 9, 3, 64, 1536, 30, 320),
 }
 SMOKE_SHAPES = {"smoke": (64, 4, 2, 16, 128, 2, 40)}
-VARIANTS = ("cublas", "triton", "triton_pdl")
+VARIANTS = ("cublas", "triton", "triton_pdl", "triton_pdl_no_prefetch")
 EPS = 1e-5
 BLOCK_SIZE = 16
 
@@ -94,7 +98,7 @@ def _chain(variant, shape, hidden_in, residual_in, layers, metadata):
             head_dim**-0.5,
             after_triton=True,
         ).reshape(rows, heads * head_dim)
-        pdl = variant == "triton_pdl"
+        pdl = variant.startswith("triton_pdl")
         if variant == "cublas":
             projected = F.linear(attended, w["o"])
         else:
@@ -105,6 +109,17 @@ def _chain(variant, shape, hidden_in, residual_in, layers, metadata):
         )  # fmt: skip
         hidden = F.linear(gated, w["down"])
     return hidden
+
+
+@contextlib.contextmanager
+def _prefetch(prefetch: bool | None):
+    """The skinny kernels' weight prefetch as given (None: the default, when they wait)."""
+    launch = skinny_linear._launch
+    skinny_linear._launch = partial(launch, prefetch=prefetch)
+    try:
+        yield
+    finally:
+        skinny_linear._launch = launch
 
 
 def _us_per_layer(fn, layers, device) -> float | None:
@@ -130,14 +145,17 @@ def cases(shapes, row_counts, device, dtype) -> list[dict]:
             r = torch.randn(rows, hidden_size, device=device, dtype=dtype)
             reference = _chain("cublas", shape, x, r, layers, metadata)
             for variant in VARIANTS:
-                out = _chain(variant, shape, x, r, layers, metadata)
-                run = partial(_chain, variant, shape, x, r, layers, metadata)
+                prefetch = None if variant != "triton_pdl_no_prefetch" else False
+                with _prefetch(prefetch):
+                    out = _chain(variant, shape, x, r, layers, metadata)
+                    run = partial(_chain, variant, shape, x, r, layers, metadata)
+                    us = _us_per_layer(run, num_layers, device)
                 results.append(
                     {
                         "shape": name,
                         "rows": rows,
                         "variant": variant,
-                        "us_per_layer": _us_per_layer(run, num_layers, device),
+                        "us_per_layer": us,
                         "max_abs_diff": (out.float() - reference.float()).abs().max().item(),
                     }
                 )

@@ -20,7 +20,7 @@ from typing import Any
 from tandem.bench.datasets import BenchRequest, load_mtbench, load_sharegpt
 from tandem.bench.device_profile import profile_generate
 from tandem.bench.spec import acceptance
-from tandem.bench.timing import timed_generate
+from tandem.bench.timing import fixed_and_per_step, timed_generate
 
 _CONTEXT_MARGIN = 8  # tokens kept free at the context's end (tokenization drift, drafts)
 
@@ -142,25 +142,6 @@ def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
 
 # The host's clocks in ``_snapshot``: launching steps, of it MTP ragged parts, and waiting.
 _HOST_CLOCKS = ("host_launch_s", "host_ragged_launch_s", "host_wait_s")
-
-
-def fixed_and_per_step(per_question: list[dict]) -> dict | None:
-    """The least-squares line through the questions' (steps, seconds): ``fixed_ms``, what a
-    question costs besides its steps (its start and end: the prompt's step, the step in
-    flight when it ends, the host's work around them), and ``per_step_ms``; None when the
-    questions do not differ in steps (plain decoding of a fixed length)."""
-    points = [(entry["num_steps"], entry["seconds"]) for entry in per_question]
-    if len({steps for steps, _ in points}) < 2:
-        return None
-    mean_steps = sum(steps for steps, _ in points) / len(points)
-    mean_seconds = sum(seconds for _, seconds in points) / len(points)
-    spread = sum((steps - mean_steps) ** 2 for steps, _ in points)
-    slope = sum((steps - mean_steps) * (sec - mean_seconds) for steps, sec in points) / spread
-    return {
-        "fixed_ms": 1e3 * (mean_seconds - slope * mean_steps),
-        "per_step_ms": 1e3 * slope,
-        "questions": len(points),
-    }
 
 
 def _snapshot(llm: Any) -> dict:

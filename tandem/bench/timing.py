@@ -1,4 +1,5 @@
-"""Wall-clock timing shared by the benchmarks: wait for the device around a timed region."""
+"""Wall-clock timing shared by the benchmarks: wait for the device around a timed region, and
+split timed questions into a fixed part and a part per step."""
 
 from __future__ import annotations
 
@@ -36,3 +37,22 @@ def timed_generate(
             outputs.extend(wave)
     sync_device(device)
     return time.perf_counter() - start, tokens
+
+
+def fixed_and_per_step(per_question: list[dict]) -> dict | None:
+    """The least-squares line through the questions' (steps, seconds): ``fixed_ms``, what a
+    question costs besides its steps (its start and end: the prompt's step, the step in
+    flight when it ends, the host's work around them), and ``per_step_ms``; None when the
+    questions do not differ in steps (plain decoding of a fixed length)."""
+    points = [(entry["num_steps"], entry["seconds"]) for entry in per_question]
+    if len({steps for steps, _ in points}) < 2:
+        return None
+    mean_steps = sum(steps for steps, _ in points) / len(points)
+    mean_seconds = sum(seconds for _, seconds in points) / len(points)
+    spread = sum((steps - mean_steps) ** 2 for steps, _ in points)
+    slope = sum((steps - mean_steps) * (sec - mean_seconds) for steps, sec in points) / spread
+    return {
+        "fixed_ms": 1e3 * (mean_seconds - slope * mean_steps),
+        "per_step_ms": 1e3 * slope,
+        "questions": len(points),
+    }

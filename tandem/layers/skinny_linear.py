@@ -7,11 +7,11 @@ SiLU-and-multiply are kernels of their own only because cuBLAS cannot run them:
 :data:`MAX_ROWS` rows, with ``gated=True`` also SiLU-and-multiply in the gate-up GEMM's
 epilogue, and :func:`two_norm_linear` the MTP head's input projection with both its norms
 (the token embedding's and the hidden state's, concatenated) in one launch where there were
-four (two norms, the concatenation, the GEMM).
+four (two norms, the concatenation, the GEMM). :func:`linear` is the same GEMM without a
+norm, for a projection between two Triton kernels (dependent launch at both edges).
 
-Each program owns ``BLOCK_N`` output columns for every row (rows padded to 16 for the tensor
-cores; gated, as many gate columns and their up columns) and streams its slice of the
-weight once; it first reads its rows whole for the norm's sum of squares. The prologue
+The kernel (:mod:`tandem.layers.skinny_linear_kernels`) pads the rows to 16 for the tensor
+cores; each program streams its slice of the weight once. The prologue
 rounds where the unfused chain rounds (the residual sum and the normalized input to the
 input dtype, then the product with the norm's weight), and so does the gated epilogue (the
 projection, SiLU, the product), so the GEMM sees the very operand the chain hands cuBLAS;
@@ -42,12 +42,10 @@ from tandem.layers.fused import (
 
 try:
     import triton
-    import triton.language as tl
 
-    from tandem.layers.dependent_launch import pdl_prologue
+    from tandem.layers.skinny_linear_kernels import _norm_linear_kernel
 except ImportError:  # tandem runs without triton: every op takes its PyTorch form
     triton = None
-    tl = None
 
 MAX_ROWS = 16
 """Most rows the kernels take (one tensor-core tile); more go to the unfused chain."""
@@ -207,7 +205,10 @@ def _launch(
     bias,
     gated=False,
     after_triton=False,
+    prefetch=None,
 ):
+    """One launch of the kernel; ``prefetch`` (default: when it waits with PDL) loads the
+    weight's first tile before waiting (``skinny_linear_kernels``)."""
     num_rows, width = x.shape
     n_out, k_in = weight.shape
     if k_in != (2 * width if prologue == _TWO_NORMS else width):
@@ -249,152 +250,9 @@ def _launch(
         # After a cuBLAS GEMM no wait (it never signals); the launch after it may overlap.
         PDL_WAIT=wait,
         PDL_RELEASE=release,
+        PREFETCH=wait if prefetch is None else prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch,
     )
     return out
-
-
-if triton is not None:
-
-    @triton.jit
-    def _input_tile(x_ptr, y_ptr, rows, ks, mask, width, stride_x, stride_y, PROLOGUE):
-        """The [rows, ks] tile of the input before its norm: ``x`` (+ ``y`` rounded, with the
-        residual; ``x`` then ``y`` concatenated, with two norms)."""
-        dtype = x_ptr.dtype.element_ty
-        if PROLOGUE == 3:
-            in_x = ks < width
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :],
-                mask=mask & in_x[None, :],
-                other=0.0,
-            )
-            y = tl.load(
-                y_ptr + rows[:, None] * stride_y + (ks - width)[None, :],
-                mask=mask & (ks >= width)[None, :],
-                other=0.0,
-            )
-            return tl.where(in_x[None, :], x, y)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
-        if PROLOGUE == 2:
-            r = tl.load(y_ptr + rows[:, None] * stride_y + ks[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        return x
-
-    # Row counts change with the batch: left unspecialized, so no new variant mid-run.
-    @triton.jit(do_not_specialize=["num_rows"])
-    def _norm_linear_kernel(
-        x_ptr,
-        y_ptr,
-        sum_ptr,
-        norm_w_ptr,
-        norm_w2_ptr,
-        w_ptr,
-        b_ptr,
-        out_ptr,
-        num_rows,
-        n_out,
-        width,
-        stride_x,
-        stride_y,
-        stride_s,
-        stride_w,
-        stride_o,
-        eps,
-        PROLOGUE: tl.constexpr,
-        GATED: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        FULL_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PDL_WAIT: tl.constexpr,
-        PDL_RELEASE: tl.constexpr,
-    ):
-        pdl_prologue(PDL_WAIT, PDL_RELEASE)
-        pid = tl.program_id(0)
-        dtype = x_ptr.dtype.element_ty
-        rows = tl.arange(0, BLOCK_M)
-        row_mask = rows < num_rows
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < n_out
-        k_in = width * 2 if PROLOGUE == 3 else width
-        # The norms need their rows' whole sums of squares (the two halves' apart; no pass
-        # without a norm).
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        squares2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, 0 if PROLOGUE == 0 else k_in, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            mask = row_mask[:, None] & (ks < k_in)[None, :]
-            x = _input_tile(x_ptr, y_ptr, rows, ks, mask, width, stride_x, stride_y, PROLOGUE)
-            if PROLOGUE == 2 and pid == 0:  # one program writes the residual stream's sum
-                tl.store(sum_ptr + rows[:, None] * stride_s + ks[None, :], x, mask=mask)
-            x32 = x.to(tl.float32)
-            if PROLOGUE == 3:
-                squares += tl.sum(tl.where((ks < width)[None, :], x32 * x32, 0.0), axis=1)
-                squares2 += tl.sum(tl.where((ks >= width)[None, :], x32 * x32, 0.0), axis=1)
-            else:
-                squares += tl.sum(x32 * x32, axis=1)
-        inv_rms = tl.rsqrt(squares / width + eps)
-        inv_rms2 = tl.rsqrt(squares2 / width + eps)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED: the up half's
-        for k0 in range(0, k_in, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < k_in
-            mask = row_mask[:, None] & k_mask[None, :]
-            x = _input_tile(x_ptr, y_ptr, rows, ks, mask, width, stride_x, stride_y, PROLOGUE)
-            operand = _operand(
-                x, ks, k_mask, inv_rms, inv_rms2, norm_w_ptr, norm_w2_ptr, width, PROLOGUE
-            )
-            w_mask = k_mask[:, None] & col_mask[None, :]
-            w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=w_mask, other=0.0)
-            acc = _dot(operand, w, acc, FULL_PRECISION)
-            if GATED:  # the up row of each gate row sits n_out rows further down
-                w = tl.load(
-                    w_ptr + (cols + n_out)[None, :] * stride_w + ks[:, None], mask=w_mask, other=0.0
-                )
-                acc_up = _dot(operand, w, acc_up, FULL_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        out = acc.to(dtype)
-        if GATED:  # fused.silu_mul's rounding: the projection, SiLU, then the product
-            gate = out.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-            out = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(
-            out_ptr + rows[:, None] * stride_o + cols[None, :],
-            out,
-            mask=row_mask[:, None] & col_mask[None, :],
-        )
-
-    @triton.jit
-    def _operand(x, ks, k_mask, inv_rms, inv_rms2, norm_w_ptr, norm_w2_ptr, width, PROLOGUE):
-        """The GEMM's operand from the input tile ``x``: itself without a norm, else
-        normalized by its rows' ``inv_rms`` (the second half's ``inv_rms2`` with two norms)
-        and multiplied by the norm's weight, rounded as the norm kernel rounds."""
-        if PROLOGUE == 0:
-            return x
-        dtype = norm_w_ptr.dtype.element_ty  # the input's (``norm_linear_applies``)
-        if PROLOGUE == 3:
-            first = (ks < width)[None, :]
-            scale = tl.where(first, inv_rms[:, None], inv_rms2[:, None])
-            nw = tl.where(
-                ks < width,
-                tl.load(norm_w_ptr + ks, mask=ks < width, other=0.0).to(tl.float32),
-                tl.load(norm_w2_ptr + ks - width, mask=(ks >= width) & k_mask, other=0.0).to(
-                    tl.float32
-                ),
-            )
-        else:
-            scale = inv_rms[:, None]
-            nw = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        normed = (x.to(tl.float32) * scale).to(dtype)
-        return (normed.to(tl.float32) * nw[None, :]).to(dtype)
-
-    @triton.jit
-    def _dot(a, b, acc, FULL_PRECISION: tl.constexpr):
-        if FULL_PRECISION:  # fp32 operands multiplied in full precision (no TF32)
-            return tl.dot(a, b, acc, input_precision="ieee")
-        return tl.dot(a, b, acc)

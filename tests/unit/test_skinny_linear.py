@@ -250,3 +250,34 @@ def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch
         for got, expected in zip(logprobs, ref_logprobs, strict=True):
             for token, entry in expected.items():
                 assert abs(got[token].logprob - entry.logprob) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_weight_prefetch_computes_the_same_bits(monkeypatch, dtype):
+    """With the weight's first tile loaded before the PDL wait (the first K tile's product
+    peeled off the loop, in the same order), every form gives the same bits as without:
+    plain, with the norm and residual, gated, two norms; K one tile (96) and three (600)."""
+    from functools import partial
+
+    launch = skinny_linear._launch
+
+    def outputs():
+        out = []
+        for k_in in (96, 600):
+            t = _tensors(4, k_in, 64, dtype, seed=k_in)
+            norm = (t["x"], t["norm_weight"], 1e-5, t["weight"])
+            out.append(skinny_linear.linear(t["x"], t["weight"], t["bias"], use_triton=True))
+            out += skinny_linear.norm_linear(*norm, residual=t["residual"], use_triton=True)
+            out.append(skinny_linear.norm_linear(*norm, use_triton=True, gated=True))
+            out.append(
+                skinny_linear.two_norm_linear(
+                    t["x"], t["residual"], t["norm_weight"], t["norm_weight2"], 1e-5,
+                    t["weight2"], use_triton=True,
+                )
+            )  # fmt: skip
+        return out
+
+    plain = outputs()
+    monkeypatch.setattr(skinny_linear, "_launch", partial(launch, prefetch=True))
+    prefetched = outputs()
+    assert all(torch.equal(a, b) for a, b in zip(plain, prefetched, strict=True))

@@ -55,7 +55,9 @@ def test_layer_chain_bench_smoke(tmp_path):
     subprocess.run([sys.executable, script, str(out), "--smoke"], env=env, cwd=ROOT, check=True)
     runs = json.loads(out.read_text())["runs"]
     assert [(row["rows"], row["variant"]) for row in runs] == [
-        (rows, variant) for rows in (1, 4) for variant in ("cublas", "triton", "triton_pdl")
+        (rows, variant)
+        for rows in (1, 4)
+        for variant in ("cublas", "triton", "triton_pdl", "triton_pdl_no_prefetch")
     ]
     for row in runs:
         assert row["max_abs_diff"] < 1e-4 and row["us_per_layer"] is None
