@@ -26,6 +26,11 @@
 #               record greedy outputs, then mtp+overlap with the oracle proposer replaying
 #               them at each corruption rate; ORACLE_STEADY_REQUESTS (default 256) steady
 #               requests; its own STAGE_TIMEOUT
+#   idle        where batch 1's GPU idle is: scripts/question_timeline.py (the host's code
+#               during each wait of the device inside a question, MTP and plain; PROFILED
+#               questions, default 2; TRACE=1 keeps the gzipped traces) and
+#               scripts/layer_chain_bench.py (the layers' chain with the output projection
+#               by cuBLAS or by the Triton GEMM with dependent launch)
 #   latency     Llama-3-8B shape (dummy weights), then MODEL, batch 1, 128 prompt + 256 output
 #               tokens: ms per token against the bandwidth roofline, with a kernel profile
 #   throughput  the same model, NUM_PROMPTS (default 1000) ShareGPT requests offline, with
@@ -94,6 +99,15 @@ for stage in ${STAGES:-tests decode latency throughput}; do
           --kv-cache-memory-gb 16 --out-dir "$out" 2>&1 | grep --line-buffered -v Warn \
           || status_all=$?
       fi
+      (exit $status_all) ;;
+    idle)
+      status_all=0
+      timeout "${STAGE_TIMEOUT:-290}" python3 scripts/question_timeline.py \
+        "$model" "$out" --profiled "${PROFILED:-2}" ${TRACE:+--trace} 2>&1 \
+        | grep --line-buffered -v Warn || status_all=$?
+      clean_gpus
+      timeout "${STAGE_TIMEOUT:-290}" python3 scripts/layer_chain_bench.py \
+        "$out/layer-chain.json" 2>&1 | grep --line-buffered -v Warn || status_all=$?
       (exit $status_all) ;;
     latency)
       for m in dummy:llama3-8b "$model"; do
