@@ -1,14 +1,16 @@
 """Where the host is while the GPU waits at batch 1: SmolLM2 (or MODEL) with MTP (k = 3) and
 with plain decoding, each with overlap, MT-Bench questions one at a time. Per mode: a
-warm-up, the questions timed, then the first ``--profiled`` of them again under
-``torch.profiler`` with the CPU and CUDA activities and Python stacks, read by
+warm-up, the questions timed, then the first ``--profiled`` of them again (shorter:
+``--profiled-max-tokens``) under ``torch.profiler`` with the CPU and CUDA activities and
+Python stacks, read by
 ``tandem.bench.timeline`` (each gap over 8 µs inside a question: what the host ran during
 it and which code launched the op that ended it; each question's host time before its first
 device op and after its last). The stacks slow the host, so the gaps' shares matter, not
 their sizes; the timed questions give the unprofiled seconds beside them.
 
 Usage: python scripts/question_timeline.py MODEL OUT_DIR [--questions 16] [--profiled 2]
-[--modes mtp,plain] [--max-tokens 256] [--trace] [--device cuda] [--speculative-model M]
+[--profiled-max-tokens 64] [--modes mtp,plain] [--max-tokens 256] [--trace] [--device cuda]
+[--speculative-model M]
 (``--trace``: also the gzipped traces; on the CPU the trace has no device ops to read)
 """
 
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("out_dir")
     parser.add_argument("--questions", type=int, default=16)
     parser.add_argument("--profiled", type=int, default=2)
+    # Python stacks make big traces: the profiled questions run shorter (their start, end
+    # and a few dozen steps between).
+    parser.add_argument("--profiled-max-tokens", type=int, default=64)
     parser.add_argument("--modes", default="mtp,plain")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--trace", action="store_true")
@@ -77,7 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
             sync_device(args.device)
             seconds.append(time.perf_counter() - start)
         trace = os.path.join(args.out_dir, f"timeline-{mode}.json")
-        reading = _profiled(llm, prompts[: args.profiled], params, trace, args.device)
+        short = SamplingParams(
+            temperature=0.0, ignore_eos=True, max_tokens=args.profiled_max_tokens
+        )
+        reading = _profiled(llm, prompts[: args.profiled], short, trace, args.device)
         results[mode] = {"question_seconds": seconds, "profiled": reading}
         if args.trace:
             with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:

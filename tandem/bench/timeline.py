@@ -6,7 +6,8 @@ window on the device: its first device op to its last. Inside that window every 
 device ops longer than ``bound`` microseconds is a time the device waited for the host; for
 each, the trace tells what the host was running at the gap's middle (``host_during``) and
 which Python code launched the op that ended it (``launched_by``: the stack at the CUDA
-runtime call, a kernel launch, graph launch or copy, that shares the op's correlation id).
+runtime or driver call, a kernel launch, graph launch or copy, that shares the op's
+correlation id).
 Stacks are the chains of Python frames from the ``python_function`` events' parent ids,
 kept to the frames of ``package`` (``tandem/`` by default). Per request the window also
 gives the host's time before the first device op and after the last one (work the device
@@ -21,6 +22,9 @@ import bisect
 from collections import defaultdict
 
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+# The host's calls that queue device work: the runtime's (cuBLAS, torch's kernels, graphs,
+# copies) and the driver's (Triton launches through it).
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 
 
 def _frames(events: list[dict]) -> tuple[list[dict], list[float], dict]:
@@ -69,7 +73,7 @@ def read_timeline(trace: dict, bound: float = 8.0, package: str = "tandem/", top
     launches = {
         e["args"]["correlation"]: e
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
     }
     requests = [e for e in python if e["name"].endswith(": generate") and package in e["name"]]
     device_starts = [e["ts"] for e in device]
