@@ -1,9 +1,11 @@
 """Programmatic dependent launch between our kernels: the rule for when a launch takes it,
 and on a GPU that has it, a layer's chain of Triton neighbours (norm inside the q/k/v
 projection, the rotating attention launched to overlap it, the combination of its key
-ranges launched to overlap the attention; then the gated gate-up projection) captured in a
-CUDA graph gives, replay after replay on fresh inputs, what the same chain launched plainly
-gives: no kernel reads its input before the kernel before it wrote it."""
+ranges launched to overlap the attention, the output projection by the Triton GEMM launched
+to overlap the combination, then the gated gate-up projection launched to overlap that, the
+two GEMMs loading their first weight tile before they wait) captured in a CUDA graph gives,
+replay after replay on fresh inputs, what the same chain launched plainly gives: no kernel
+reads its input before the kernel before it wrote it."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def test_no_dependent_launch_off_a_compiled_gpu():
 
 
 def _chain(x, residual, w, cache, step, after_triton):
-    from tandem.layers.skinny_linear import norm_linear
+    from tandem.layers.skinny_linear import linear, norm_linear
     from tandem.layers.triton_attention import NewKeys, paged_attention
 
     qkv, summed = norm_linear(x, w["n1"], 1e-5, w["qkv"], residual=residual)
@@ -36,9 +38,13 @@ def _chain(x, residual, w, cache, step, after_triton):
         new_keys=NewKeys(k, v, step["cos"], step["sin"], step["slots"]),
         after_triton=after_triton,
     )
-    return norm_linear(
-        attended.reshape(x.shape[0], -1), w["n2"], 1e-5, w["gate_up"], residual=summed, gated=True
+    projected = linear(
+        attended.reshape(x.shape[0], -1), w["o"], after_triton=after_triton, use_triton=True
     )
+    return norm_linear(
+        projected, w["n2"], 1e-5, w["gate_up"], residual=summed, gated=True,
+        after_triton=after_triton,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -60,6 +66,7 @@ def test_a_graph_of_dependent_launches_matches_plain_launches():
         "n1": 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype),
         "n2": 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype),
         "qkv": weight(15 * 64, hidden),
+        "o": weight(hidden, 9 * 64),
         "gate_up": weight(2 * 1536, hidden),
     }
     rotary = RotaryEmbedding(64, 4096, 10000.0, None).to(device)
