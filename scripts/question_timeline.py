@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         requests = reading["requests"]
         print(mode, f"{sum(seconds):.3f} s over {len(seconds)} questions;", "profiled:", requests)
         print(" gaps by launcher:", reading["gap_us_by_launcher"][:8])
+        print(" host calls:", reading["host_calls"][:8])
         llm.engine.shutdown()
         del llm
         if args.device.startswith("cuda"):

@@ -11,7 +11,9 @@ correlation id).
 Stacks are the chains of Python frames from the ``python_function`` events' parent ids,
 kept to the frames of ``package`` (``tandem/`` by default). Per request the window also
 gives the host's time before the first device op and after the last one (work the device
-never saw: the request's setup and its outputs).
+never saw: the request's setup and its outputs); over all requests, the CUDA runtime and
+driver calls made inside them, by name (what launching costs, and any allocation or
+synchronization among the launches).
 
 ``scripts/question_timeline.py`` records such a trace on a GPU and writes this reading.
 """
@@ -70,11 +72,8 @@ def read_timeline(trace: dict, bound: float = 8.0, package: str = "tandem/", top
         (e for e in events if e.get("cat") in DEVICE_CATEGORIES and e.get("dur", 0) > 0),
         key=lambda e: e["ts"],
     )
-    launches = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
-    }
+    calls = [e for e in events if e.get("cat") in LAUNCH_CATEGORIES]
+    launches = {e["args"]["correlation"]: e for e in calls if "correlation" in e.get("args", {})}
     requests = [e for e in python if e["name"].endswith(": generate") and package in e["name"]]
     device_starts = [e["ts"] for e in device]
     per_request, gaps = [], []
@@ -120,13 +119,28 @@ def read_timeline(trace: dict, bound: float = 8.0, package: str = "tandem/", top
                 "gaps": len(request_gaps),
             }
         )
+    windows = [(r["ts"], r["ts"] + r["dur"]) for r in requests]
     return {
         "bound_us": bound,
         "requests": per_request,
+        "host_calls": _calls_within(calls, windows, top),
         "gap_us_by_launcher": _grouped(gaps, "launched_by"),
         "gap_us_by_host_frame": _grouped(gaps, "host_during"),
         "longest": sorted(gaps, key=lambda gap: -gap["us"])[:top],
     }
+
+
+def _calls_within(calls, windows: list[tuple[float, float]], top: int) -> list[dict]:
+    """The CUDA runtime and driver calls that start inside the ``windows`` (the requests'),
+    by name: their count and total microseconds on the host, most first (a ``cudaMalloc``
+    or a synchronizing call among the launches shows here)."""
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for call in calls:
+        if any(lo <= call["ts"] < hi for lo, hi in windows):
+            totals[call["name"]][0] += 1
+            totals[call["name"]][1] += call.get("dur", 0.0)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return [{"name": name, "calls": count, "us": us} for name, (count, us) in ranked]
 
 
 def _grouped(gaps: list[dict], key: str) -> list[dict]:

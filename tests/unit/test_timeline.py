@@ -51,6 +51,8 @@ def _trace() -> dict:
         _op("cuda_runtime", "cudaGraphLaunch", 600, 3, 12),
         _op("kernel", "B", 700, 300, 12),
         _op("kernel", "C", 1000, 2, 12),  # back to back with B: no gap
+        _op("cuda_runtime", "cudaMalloc", 2010, 40, 13),  # in the second request's window
+        _op("cuda_runtime", "cudaMalloc", 1500, 40, 14),  # between the requests: not counted
     ]
     return {"traceEvents": frames + ops}
 
@@ -84,6 +86,12 @@ def test_read_timeline_names_the_host_frames_at_each_gap():
     assert gap["launched_by"][-1] == "tandem/worker/step_graphs.py(240): run"
     assert reading["gap_us_by_launcher"] == [
         {"frame": "tandem/worker/step_graphs.py(240): run", "us": pytest.approx(400), "count": 1}
+    ]
+    # The runtime's calls inside the requests' windows, by total host time.
+    assert reading["host_calls"] == [
+        {"name": "cudaMalloc", "calls": 1, "us": pytest.approx(40)},
+        {"name": "cudaLaunchKernel", "calls": 1, "us": pytest.approx(4)},
+        {"name": "cudaGraphLaunch", "calls": 1, "us": pytest.approx(3)},
     ]
     # A bound past the gap leaves none.
     assert read_timeline(_trace(), bound=500.0)["requests"][0]["gaps"] == 0
