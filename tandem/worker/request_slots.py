@@ -79,11 +79,11 @@ class RequestSlots:
         """Set slots from host values (``last_tokens`` may be on the device) and device
         drafts [len(slots), k], and the distributions [k, V] of sampled drafts by slot
         (``draft_probs``; no wait)."""
-        index = to_device(slots, torch.long, self.device)
-        self.next_start.index_copy_(0, index, to_device(starts, torch.long, self.device))
-        if not isinstance(last_tokens, torch.Tensor):
-            last_tokens = to_device(last_tokens, torch.long, self.device)
-        self.last_token.index_copy_(0, index, last_tokens)
+        host = [slots, starts] + ([] if isinstance(last_tokens, torch.Tensor) else [last_tokens])
+        values = to_device(host, torch.long, self.device)  # one copy: [2 or 3, len(slots)]
+        index = values[0]
+        self.next_start.index_copy_(0, index, values[1])
+        self.last_token.index_copy_(0, index, values[2] if len(host) == 3 else last_tokens)
         self.drafts.index_copy_(0, index, drafts)
         if draft_probs:
             self.draft_probs.index_copy_(

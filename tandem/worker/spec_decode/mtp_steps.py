@@ -155,9 +155,11 @@ class MTPSteps:
                 fill.append(num_positions - 1)
                 gather.append(first_rows[id(plan)])
         sampled = None
-        if gather:
-            index = to_device(gather, torch.long, self.device)
-            sampled = (fill, launched.sample.candidates.index_select(0, index))
+        if gather:  # the rows' samples in order (a prompt step's candidates already are)
+            candidates = launched.sample.candidates
+            if gather != list(range(candidates.shape[0])):
+                candidates = candidates.index_select(0, to_device(gather, torch.long, self.device))
+            sampled = (fill, candidates)
         proposer = self.runner.proposer
         graphs = getattr(proposer, "prompt_graphs", None)
         if graphs is not None and graphs.applies(rows, launched.hidden, sampling):
@@ -172,12 +174,13 @@ class MTPSteps:
             if plan.request_id in drafts and drafts[plan.request_id].shape[0] == k
         ]
         if full:
+            indices = [index for index, _ in full]
             self.slots.write(
                 [plan.state.slot for _, plan in full],
                 [plan.start + plan.num_known for _, plan in full],
-                sampled[1].index_select(
-                    0, to_device([index for index, _ in full], torch.long, self.device)
-                ),
+                sampled[1]
+                if indices == list(range(sampled[1].shape[0]))
+                else sampled[1].index_select(0, to_device(indices, torch.long, self.device)),
                 torch.stack([drafts[plan.request_id] for _, plan in full]),
                 {
                     plan.state.slot: proposal.draft_probs[plan.request_id]

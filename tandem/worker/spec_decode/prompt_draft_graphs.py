@@ -135,11 +135,14 @@ class PromptDraftGraphs:
             ends.append(end)
         copy_to(self.row_ends, ends + [0] * (self.row_ends.shape[0] - len(ends)))
         self.next_ids[: num_tokens - 1].copy_(ragged.input_ids[1:num_tokens])
-        device = self.next_ids.device
-        last_tokens = to_device([row.next_tokens[-1] for row in rows], torch.long, device)
-        self.next_ids.index_copy_(0, self.row_ends[: len(rows)], last_tokens)
-        if sampled is not None:
-            self.next_ids.index_copy_(0, to_device(sampled[0], torch.long, device), sampled[1])
+        device, row_ends = self.next_ids.device, self.row_ends[: len(rows)]
+        if sampled is not None and sampled[0] == ends:  # every row's last: the step's sample
+            self.next_ids.index_copy_(0, row_ends, sampled[1])
+        else:
+            last_tokens = to_device([row.next_tokens[-1] for row in rows], torch.long, device)
+            self.next_ids.index_copy_(0, row_ends, last_tokens)
+            if sampled is not None:
+                self.next_ids.index_copy_(0, to_device(sampled[0], torch.long, device), sampled[1])
         self.target_hidden[:num_tokens].copy_(target_hidden)
         if self.graphs:
             graph, (last, tokens) = self.graphs[size]
@@ -151,11 +154,15 @@ class PromptDraftGraphs:
         drafting = [index for index, row in enumerate(rows) if row.num_drafts > 0]
         if not drafting:
             return proposal
-        index = to_device(drafting, torch.long, self.next_ids.device)
-        first, hidden = tokens.index_select(0, index), last.index_select(0, index)
-        drafts = first.unsqueeze(1)
-        if self.num_drafts > 1:
+        if len(drafting) == len(rows):  # every row: the graph's first rows (copied below)
+            first, hidden = tokens[: len(rows)], last[: len(rows)]
+        else:
+            index = to_device(drafting, torch.long, self.next_ids.device)
+            first, hidden = tokens.index_select(0, index), last.index_select(0, index)
+        if self.num_drafts > 1:  # the draft graphs copy their inputs; their drafts are new
             drafts = self.proposer.graphed_drafts([rows[i] for i in drafting], first, hidden)
+        else:  # not a view of the graph's buffers, which the next replay overwrites
+            drafts = first.unsqueeze(1).clone()
         for row_index, draft in zip(drafting, drafts, strict=True):
             proposal.draft_token_ids[rows[row_index].request_id] = draft
         return proposal
