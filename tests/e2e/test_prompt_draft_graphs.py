@@ -26,22 +26,23 @@ pytestmark = pytest.mark.slow  # whole engines with the Triton kernels in Triton
 K = 2
 
 
-def _engine(prompt_graphs: bool) -> LLM:
+def _engine(prompt_graphs: bool, k: int = K) -> LLM:
     llm = ragged_engine(  # the ragged graphs' function attached, eagerly
-        True, speculative="mtp", num_speculative_tokens=K, speculative_model="dummy"
+        True, speculative="mtp", num_speculative_tokens=k, speculative_model="dummy"
     )
     runner = llm.engine.runner
     # The draft graphs' functions too, eagerly (nothing captured): what CUDA replays.
-    runner.proposer.graphs = DraftGraphRunner(
-        runner.proposer, K, runner.max_model_len, 4, runner.scratch_block
-    )
+    if k > 1:
+        runner.proposer.graphs = DraftGraphRunner(
+            runner.proposer, k, runner.max_model_len, 4, runner.scratch_block
+        )
     if prompt_graphs:
-        runner.proposer.prompt_graphs = PromptDraftGraphs(runner.proposer, runner.ragged_graphs, K)
+        runner.proposer.prompt_graphs = PromptDraftGraphs(runner.proposer, runner.ragged_graphs, k)
     return llm
 
 
-def _run(prompt_graphs: bool, params: SamplingParams):
-    llm = _engine(prompt_graphs)
+def _run(prompt_graphs: bool, params: SamplingParams, k: int = K):
+    llm = _engine(prompt_graphs, k)
     try:
         # Six prompts through four rows: later prompts join beside decoding rows, and the
         # longest (48 tokens and more) come in chunks.
@@ -100,10 +101,11 @@ def drafting_rows(monkeypatch):
     return rows_seen
 
 
-def test_the_prompt_graph_function_drafts_what_propose_drafts(interpreter, drafting_rows):  # noqa: F811
+@pytest.mark.parametrize("k", [1, K])  # one draft: the head's depth 0 alone
+def test_the_prompt_graph_function_drafts_what_propose_drafts(interpreter, drafting_rows, k):  # noqa: F811
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    want_tokens, want_accepted, _, want_kv = _run(False, params)
-    tokens, accepted, replays, kv = _run(True, params)
+    want_tokens, want_accepted, _, want_kv = _run(False, params, k)
+    tokens, accepted, replays, kv = _run(True, params, k)
     # Steps with a joining prompt drafted through the graph function, drafting rows among them.
     assert replays > 0 and drafting_rows
     assert tokens == want_tokens
