@@ -8,7 +8,7 @@ eager form: steps that would take them run eagerly and are not counted here.)
 Per step kind (``prompt``: a joining prompt's ragged step, drafted at its launch;
 ``resolved``: an MTP step resolved on the device), the host's microseconds per launch
 outside the graphs' functions and the device ops it dispatches there (a second pass under
-a dispatch counter, views not counted). The H200's host measured about 1.5-2x these CPU
+a dispatch counter, views not counted). The H200's host measured about 1.4-2.4x these CPU
 figures for both kinds (benchmarks/README.md): compare runs of this script with each other,
 in one call, not with a GPU.
 
