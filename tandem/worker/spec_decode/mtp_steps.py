@@ -156,10 +156,7 @@ class MTPSteps:
                 gather.append(first_rows[id(plan)])
         sampled = None
         if gather:  # the rows' samples in order (a prompt step's candidates already are)
-            candidates = launched.sample.candidates
-            if gather != list(range(candidates.shape[0])):
-                candidates = candidates.index_select(0, to_device(gather, torch.long, self.device))
-            sampled = (fill, candidates)
+            sampled = (fill, self._rows(launched.sample.candidates, gather))
         proposer = self.runner.proposer
         graphs = getattr(proposer, "prompt_graphs", None)
         if graphs is not None and graphs.applies(rows, launched.hidden, sampling):
@@ -174,13 +171,10 @@ class MTPSteps:
             if plan.request_id in drafts and drafts[plan.request_id].shape[0] == k
         ]
         if full:
-            indices = [index for index, _ in full]
             self.slots.write(
                 [plan.state.slot for _, plan in full],
                 [plan.start + plan.num_known for _, plan in full],
-                sampled[1]
-                if indices == list(range(sampled[1].shape[0]))
-                else sampled[1].index_select(0, to_device(indices, torch.long, self.device)),
+                self._rows(sampled[1], [index for index, _ in full]),
                 torch.stack([drafts[plan.request_id] for _, plan in full]),
                 {
                     plan.state.slot: proposal.draft_probs[plan.request_id]
@@ -190,6 +184,13 @@ class MTPSteps:
             )
             for _, plan in full:
                 plan.state.slot_ready = plan.state.one_token_in_flight = True
+
+    def _rows(self, tensor: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """``tensor``'s rows at ``indices``: the tensor as it stands where they are all of
+        its rows in order (no copy of host-built indices), else a gather."""
+        if indices == list(range(tensor.shape[0])):
+            return tensor
+        return tensor.index_select(0, to_device(indices, torch.long, self.device))
 
     def after_drafted_read(
         self, plans: list[RowPlan], proposal: Proposal, output: ModelRunnerOutput
