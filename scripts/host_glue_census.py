@@ -7,8 +7,9 @@ eager form: steps that would take them run eagerly and are not counted here.)
 
 Per step kind (``prompt``: a joining prompt's ragged step, drafted at its launch;
 ``resolved``: an MTP step resolved on the device), the host's microseconds per launch
-outside the graphs' functions and the device ops it dispatches there (a second pass under
-a dispatch counter, views not counted). The H200's host measured about 1.4-2.4x these CPU
+outside the graphs' functions, the same per named part of it (``PARTS``; parts nest, each
+timed whole), and the device ops it dispatches there (a second pass under a dispatch
+counter, views not counted). The H200's host measured about 1.4-2.4x these CPU
 figures for both kinds (benchmarks/README.md): compare runs of this script with each other,
 in one call, not with a GPU.
 
@@ -33,8 +34,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tandem import LLM, SamplingParams
-from tandem.worker import cuda_graphs, model_runner, ragged_graphs, step_pipeline
-from tandem.worker.spec_decode import draft_graphs, prompt_draft_graphs, step_graphs
+from tandem.worker import (
+    cuda_graphs,
+    input_batch,
+    model_runner,
+    ragged_graphs,
+    request_slots,
+    step_pipeline,
+)
+from tandem.worker.spec_decode import (
+    draft_graphs,
+    mtp_steps,
+    prompt_draft_graphs,
+    proposer,
+    step_graphs,
+)
 
 GRAPH_FUNCTIONS = [  # what a replay runs: timed apart, not glue
     (ragged_graphs.RaggedGraphRunner, "forward"),
@@ -43,17 +57,30 @@ GRAPH_FUNCTIONS = [  # what a replay runs: timed apart, not glue
     (step_graphs.ResolvedStepGraphs, "_step"),
     (step_graphs.ResolvedStepGraphs, "_sampled_step"),
 ]
+PARTS = [  # named parts of a launch, each timed less the graphs' functions inside it
+    (input_batch.InputBatch, "prepare"),
+    (model_runner.ModelRunner, "forward"),
+    (step_pipeline, "sample_step"),
+    (mtp_steps.MTPSteps, "draft_at_launch"),
+    (prompt_draft_graphs.PromptDraftGraphs, "propose"),
+    (proposer.MTPProposer, "graphed_drafts"),
+    (draft_graphs.DraftGraphRunner, "run"),
+    (request_slots.RequestSlots, "write"),
+    (mtp_steps.MTPSteps, "launch_resolved"),
+]
 VIEWS = ("slice", "detach", "alias", "unsqueeze", "view", "unbind", "lift_fresh", "resolve_")
 
 
 class Census:
-    """Per step kind: the host's time in launches less the graphs' functions in them, the
-    launches, and (while counting) the device ops dispatched outside those functions."""
+    """Per step kind: the host's time in launches less the graphs' functions in them (also
+    per named part), the launches, and (while counting) the device ops dispatched outside
+    those functions."""
 
     def __init__(self):
         self.kind, self.depth = "other", 0
         self.graph_seconds = 0.0
         self.glue = collections.Counter()
+        self.parts = collections.defaultdict(collections.Counter)
         self.launches = collections.Counter()
         self.ops = collections.Counter()
 
@@ -69,6 +96,21 @@ class Census:
                 self.glue[self.kind] += spent
                 self.launches[self.kind] += 1
                 self.kind = "other"
+
+        return wrapper
+
+    def part(self, fn, label: str):
+        """``fn`` timed as part ``label`` of the launch it runs in (parts nest: each is
+        timed whole, less the graphs' functions)."""
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start, graphs = time.perf_counter(), self.graph_seconds
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start - (self.graph_seconds - graphs)
+                self.parts[self.kind][label] += spent
 
         return wrapper
 
@@ -113,6 +155,9 @@ def _simulate_graphs(census: Census) -> None:
         cls.capture = lambda self: None
     for cls, name in GRAPH_FUNCTIONS:
         setattr(cls, name, census.graph(getattr(cls, name)))
+    for owner, name in PARTS:
+        label = f"{owner.__qualname__}.{name}" if isinstance(owner, type) else name
+        setattr(owner, name, census.part(getattr(owner, name), label))
     step_pipeline.StepPipeline.launch = census.launch(step_pipeline.StepPipeline.launch)
 
 
@@ -136,11 +181,13 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     census.glue.clear()
+    census.parts.clear()
     census.launches.clear()
     runs = [{"prompt_token_ids": rng.integers(1, 500, 100).tolist()} for _ in range(args.requests)]
     for prompt in runs:
         llm.generate([prompt], params, use_tqdm=False)
     launches, glue = dict(census.launches), dict(census.glue)
+    parts = {kind: dict(spent) for kind, spent in census.parts.items()}
     census.launches.clear()
     with _CountOps(census):
         for prompt in runs[:4]:
@@ -155,6 +202,10 @@ def main() -> None:
                 "launches": launches[kind],
                 "glue_us_per_launch": 1e6 * glue[kind] / launches[kind],
                 "ops_per_launch": census.ops[kind] / counted.get(kind, 1),
+                "parts_us_per_launch": {
+                    label: 1e6 * spent / launches[kind]
+                    for label, spent in sorted(parts.get(kind, {}).items(), key=lambda p: -p[1])
+                },
             }
             for kind in ("prompt", "resolved")
             if launches.get(kind)

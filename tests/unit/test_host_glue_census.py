@@ -27,3 +27,9 @@ def test_host_glue_census_measures_both_step_kinds(tmp_path):
     # A prompt launch builds its step from the host; a resolved one only fills the graph's
     # slot ids and block tables.
     assert kinds["prompt"]["ops_per_launch"] > kinds["resolved"]["ops_per_launch"]
+    # Named parts, each timed less the graphs inside it: a prompt's forward and drafting,
+    # a resolved step's launch; a part nested in another costs no more than it.
+    prompt_parts = kinds["prompt"]["parts_us_per_launch"]
+    assert prompt_parts["ModelRunner.forward"] > 0
+    assert 0 < prompt_parts["PromptDraftGraphs.propose"] <= prompt_parts["MTPSteps.draft_at_launch"]
+    assert kinds["resolved"]["parts_us_per_launch"]["MTPSteps.launch_resolved"] > 0
