@@ -14,7 +14,8 @@ from torch import nn
 from tandem.layers.attention import AttentionBackend, AttentionMetadata
 from tandem.layers.fused import rms_norm, silu_mul
 from tandem.layers.rotary import RotaryEmbedding
-from tandem.layers.skinny_linear import norm_linear, norm_linear_applies
+from tandem.layers.skinny_linear import MAX_WIDTH, linear, norm_linear, norm_linear_applies
+from tandem.layers.triton_attention import TritonAttentionBackend
 from tandem.models.registry import ModelArchConfig
 
 
@@ -80,7 +81,22 @@ class Attention(nn.Module):
         else:
             q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
             out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        if qkv_from_triton and self.projects_after_triton(backend):
+            return linear(out, self.o_proj.weight, self.o_proj.bias, after_triton=True)
+        return self.o_proj(out)
+
+    def projects_after_triton(self, backend: AttentionBackend) -> bool:
+        """Whether, on the fused path of a few rows, the output projection is a Triton GEMM
+        launched with PDL after the attention's Triton kernels (``skinny_linear.linear``;
+        it takes ``F.linear`` itself where its kernel does not apply): a plain linear layer
+        (not a rank's shard under tensor parallelism) no wider than the kernel takes, after
+        the Triton backend."""
+        return (
+            type(self.o_proj) is nn.Linear
+            and self.q_size <= MAX_WIDTH
+            and isinstance(backend, TritonAttentionBackend)
+        )
 
 
 class MLP(nn.Module):
@@ -173,6 +189,7 @@ class DecoderLayer(nn.Module):
             self.mlp.gate_up_proj.weight,
             residual=residual,
             gated=True,
+            after_triton=self.self_attn.projects_after_triton(backend),
         )
         return self.mlp.down_proj(gated), residual
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem.layers import argmax, fused, skinny_linear
+from tandem.models import llama
 
 pytestmark = pytest.mark.skipif(skinny_linear.triton is None, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -234,13 +235,19 @@ def test_engine_with_norms_in_projections_matches_the_reference_form(monkeypatch
     monkeypatch.setattr(argmax, "kernels_apply", lambda *t: not torch.is_grad_enabled())
     monkeypatch.setattr(model_runner, "load_model", fused_model)
     monkeypatch.setattr(model_runner, "load_mtp_head", fused_head)
+    # The output projection by the Triton GEMM too, as after the Triton attention backend.
+    monkeypatch.setattr(
+        llama.Attention, "projects_after_triton", lambda self, backend: True, raising=True
+    )
     kernels = run()
     kinds = set(launches)
-    # The first layer's norm (no residual yet), the later ones', the gated gate-up.
+    # The first layer's norm (no residual yet), the later ones', the gated gate-up, the
+    # output projection.
     expected_kinds = {
         (skinny_linear._NORM, False),
         (skinny_linear._NORM_RESIDUAL, False),
         (skinny_linear._NORM_RESIDUAL, True),
+        (skinny_linear._PLAIN, False),
     }
     if engine:
         expected_kinds.add((skinny_linear._TWO_NORMS, False))
@@ -281,3 +288,30 @@ def test_the_weight_prefetch_computes_the_same_bits(monkeypatch, dtype):
     monkeypatch.setattr(skinny_linear, "_launch", partial(launch, prefetch=True))
     prefetched = outputs()
     assert all(torch.equal(a, b) for a, b in zip(plain, prefetched, strict=True))
+
+
+def test_the_output_projection_takes_the_triton_gemm_only_after_triton_attention():
+    """The rule: a plain linear layer no wider than the kernel takes, after the Triton
+    backend (whose kernels wrote its input); never a tensor-parallel shard, never after the
+    torch backend."""
+    from dataclasses import replace
+
+    from tandem.layers.attention import TorchAttentionBackend
+    from tandem.layers.rotary import RotaryEmbedding
+    from tandem.layers.triton_attention import TritonAttentionBackend
+    from tandem.models.registry import dummy_preset
+
+    arch = dummy_preset("tiny")
+    rotary = RotaryEmbedding(arch.head_dim, 64, arch.rope_theta, None)
+    attention = llama.Attention(arch, rotary)
+    assert attention.projects_after_triton(TritonAttentionBackend())
+    assert not attention.projects_after_triton(TorchAttentionBackend())
+
+    class Shard(torch.nn.Linear):  # a tensor-parallel layer's stand-in
+        pass
+
+    attention.o_proj = Shard(attention.q_size, arch.hidden_size, bias=False)
+    assert not attention.projects_after_triton(TritonAttentionBackend())
+    wide = llama.Attention(replace(arch, num_heads=32, head_dim=64, num_kv_heads=8), rotary)
+    assert wide.q_size > skinny_linear.MAX_WIDTH
+    assert not wide.projects_after_triton(TritonAttentionBackend())
