@@ -121,7 +121,13 @@ def _print_run(run: dict) -> None:
     line = (
         f"{mode:>11} batch {run['batch_size']:>4} ({kind}): "
         f"{run['tokens_per_s']:9.1f} tok/s "
-        f"({run['output_tokens']} tokens in {run['seconds']:.3f} s), GPU idle "
+        f"({run['output_tokens']} tokens in {run['seconds']:.3f} s"
+        + (
+            f", the median of {len(run['seconds_each'])}"
+            if len(run.get("seconds_each", [])) > 1
+            else ""
+        )
+        + "), GPU idle "
         + ("n/a" if idle is None else f"{idle:.1%}")
     )
     if run.get("gpu_idle_by_gap"):
@@ -163,13 +169,15 @@ def run_decode_bench(
     temperature: float = 0.0,
     top_p: float = 1.0,
     steady_rounds: int = 1,
+    fixed_repeats: int = 1,
 ) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
     One engine per mode (``max_num_seqs = max(batch_sizes)``), warmed up once at the largest
     batch size. Batch size 1 runs ``num_questions`` MT-Bench first turns one after the other
     (``kind: questions``; 0: one ``fixed`` run of the first question); every other batch
-    size is one ``generate`` of that many first turns (``kind: fixed``); all at
+    size is one ``generate`` of that many first turns (``kind: fixed``; timed
+    ``fixed_repeats`` times, the median reported); all at
     ``temperature`` and ``top_p`` (greedy by default), ``ignore_eos``, ``max_tokens`` each.
     With ``steady_state_requests`` > 0 each engine then runs that many ShareGPT requests at
     once (``kind: steady``, at the largest batch size; output lengths from the dataset,
@@ -194,6 +202,7 @@ def run_decode_bench(
         ("profile_questions", profile_questions, 0),
         ("steady_state_requests", steady_state_requests, 0),
         ("steady_rounds", steady_rounds, 1),
+        ("fixed_repeats", fixed_repeats, 1),
     ):
         if value < least:
             raise ValueError(f"{name} must be >= {least}, got {value}")
@@ -211,6 +220,7 @@ def run_decode_bench(
         profile_questions,
         steady_state_requests,
         steady_max_tokens,
+        fixed_repeats=fixed_repeats,
     )
     engines = EngineSpec(
         model, device, dtype, max(batch_sizes), k, speculative_model, kv_cache_memory_gb
@@ -232,6 +242,7 @@ def run_decode_bench(
         "steady_max_tokens": steady_max_tokens,
         "steady_batch_size": max(batch_sizes) if steady_state_requests else None,
         "steady_rounds": steady_rounds,
+        "fixed_repeats": fixed_repeats,
         "oracle_corruptions": rates,
         "temperature": temperature,
         "top_p": top_p,
@@ -359,6 +370,13 @@ def add_cli_arguments(parser) -> None:
         "engines alive at once, with the median ratio to the first mode",
     )
     parser.add_argument(
+        "--fixed-repeats",
+        type=int,
+        default=1,
+        help="each batch size above 1 times its generate this many times and reports the "
+        "median (each run's seconds in seconds_each)",
+    )
+    parser.add_argument(
         "--oracle-corruption",
         default=None,
         metavar="RATES",
@@ -395,5 +413,6 @@ def main_from_args(args) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         steady_rounds=args.steady_rounds,
+        fixed_repeats=args.fixed_repeats,
     )
     return 0

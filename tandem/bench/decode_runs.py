@@ -13,6 +13,7 @@ Every request is greedy with EOS ignored. :mod:`tandem.bench.decode` puts them t
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -177,21 +178,30 @@ def fixed_run(
     k: int | None,
     device: str,
     recordings: dict | None = None,
+    repeats: int = 1,
 ) -> dict:
-    """One ``generate`` of ``batch_size`` MT-Bench prompts (``kind: fixed``); ``k`` is the
-    number of drafts when the engine speculates (None: it does not); with ``recordings``
-    the outputs are checked against them (``recording_match``)."""
+    """One ``generate`` of ``batch_size`` MT-Bench prompts (``kind: fixed``), timed
+    ``repeats`` times: ``seconds`` is the median (each in ``seconds_each``), the counts and
+    acceptance are the first generate's; ``k`` is the number of drafts when the engine
+    speculates (None: it does not); with ``recordings`` the outputs are checked against
+    them (``recording_match``, over every repeat)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompts = mtbench_prompts(llm, batch_size)
     tally = [0, 0]
     before = _snapshot(llm)
-    seconds, tokens = _timed(llm, prompts, params, recordings, tally)
+    first, tokens = _timed(llm, prompts, params, recordings, tally)
     after = _snapshot(llm)
+    seconds_each = [first]
+    seconds_each += [_timed(llm, prompts, params, recordings, tally)[0] for _ in range(repeats - 1)]
+    seconds = statistics.median(seconds_each)
     run: dict = {
         "kind": "fixed",
         "batch_size": batch_size,
         "max_tokens": params.max_tokens,
         "output_tokens": tokens,
         "seconds": seconds,
+        "seconds_each": seconds_each,
         "tokens_per_s": tokens / seconds,
         "num_steps": _counter_delta(before, after, "num_steps"),
         "num_preemptions": _counter_delta(before, after, "num_preemptions"),
@@ -356,6 +366,7 @@ class DecodeRows:
     steady_state_requests: int
     steady_max_tokens: int
     steady: list[BenchRequest] | None = None  # sampled with the first engine, then kept
+    fixed_repeats: int = 1  # timed generates a fixed row takes the median of
 
     def sample_steady(self, llm: Any) -> None:
         """The steady rows' ShareGPT requests, sampled once for every mode."""
@@ -374,7 +385,7 @@ class DecodeRows:
                     llm, self.num_questions, params, k, device, self.profile_questions, recordings
                 )
             else:
-                yield fixed_run(llm, batch_size, params, k, device, recordings)
+                yield fixed_run(llm, batch_size, params, k, device, recordings, self.fixed_repeats)
         if self.steady and steady:
             yield steady_run(
                 llm,

@@ -5,6 +5,7 @@ fit of their seconds against their steps) and steady-state rows, and a small CPU
 from __future__ import annotations
 
 import json
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -46,7 +47,7 @@ def test_cli_registers_bench_decode():
         ["bench", "decode", "--model", "dummy:tiny", "--modes", "plain,mtp+overlap"]
     )
     assert args.batch_sizes == "1,8,64" and args.max_tokens == 256
-    assert args.questions == 16 and args.steady_state_requests == 0
+    assert args.questions == 16 and args.steady_state_requests == 0 and args.fixed_repeats == 1
     assert args.handler.__module__ == "tandem.bench.decode"
 
 
@@ -86,6 +87,32 @@ def test_run_decode_bench_on_cpu(tmp_path, capsys, tokenizer_loaded_once):
         assert json.load(f)["runs"] == runs
     assert results["output_path"].startswith(str(tmp_path / "decode-cpu-"))
     assert len([line for line in capsys.readouterr().out.splitlines() if "tok/s" in line]) == 6
+
+
+def test_fixed_rows_report_the_median_of_their_repeats(tmp_path, capsys, tokenizer_loaded_once):
+    results = run_decode_bench(
+        "dummy:tiny",
+        [2, 3],
+        4,
+        parse_modes("overlap"),
+        "cpu",
+        None,
+        str(tmp_path),
+        num_questions=0,
+        fixed_repeats=3,
+    )
+    assert results["config"]["fixed_repeats"] == 3
+    for run in results["runs"]:
+        assert run["kind"] == "fixed" and len(run["seconds_each"]) == 3
+        assert run["seconds"] == statistics.median(run["seconds_each"])
+        assert run["tokens_per_s"] == run["output_tokens"] / run["seconds"]
+        # Counts are one generate's, not the repeats' sum.
+        assert run["output_tokens"] == run["batch_size"] * 4
+    assert "the median of 3" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="fixed_repeats must be >= 1"):
+        run_decode_bench(
+            "dummy:tiny", [2], 4, parse_modes("overlap"), "cpu", None, None, fixed_repeats=0
+        )
 
 
 class _CountingLLM:
