@@ -28,6 +28,7 @@ from tandem.bench.decode_interleaved import (
     summarize_rounds,
 )
 from tandem.bench.decode_oracle import oracle_fields, oracle_mode, parse_rates, record_rows
+from tandem.bench.decode_report import record_run
 from tandem.bench.decode_runs import DecodeRows, mtbench_prompts
 from tandem.bench.results import result_path, write_json
 
@@ -104,50 +105,6 @@ def _shut_down(llms: list, device: str) -> None:
         import torch
 
         torch.cuda.empty_cache()
-
-
-def _print_run(run: dict) -> None:
-    """One line per run: its mode, batch size and kind, tok/s, GPU idle and acceptance."""
-    idle = run["gpu_idle_fraction"]
-    kind = run.get("kind", "fixed")
-    if kind == "questions":
-        kind = f"{run['num_questions']} questions one by one"
-    elif kind.startswith("steady"):
-        round_name = f" round {run['round']}" if "round" in run else ""
-        kind = f"steady{round_name}, {run['num_requests']} ShareGPT requests"
-    mode = run["mode"]
-    if run.get("proposer") == "oracle":
-        mode += f" oracle {run['oracle_corruption']:.2f}"
-    line = (
-        f"{mode:>11} batch {run['batch_size']:>4} ({kind}): "
-        f"{run['tokens_per_s']:9.1f} tok/s "
-        f"({run['output_tokens']} tokens in {run['seconds']:.3f} s"
-        + (
-            f", the median of {len(run['seconds_each'])}"
-            if len(run.get("seconds_each", [])) > 1
-            else ""
-        )
-        + "), GPU idle "
-        + ("n/a" if idle is None else f"{idle:.1%}")
-    )
-    if run.get("gpu_idle_by_gap"):
-        line += f" (waiting for the host {run['gpu_idle_by_gap']['host']:.1%}"
-        line += f"; unprofiled, est. {run['gpu_idle_unprofiled_estimate']:.1%})"
-    if run.get("mean_acceptance_length") is not None:
-        line += f", mean acceptance length {run['mean_acceptance_length']:.3f}"
-    if run.get("expected_acceptance_length") is not None:
-        line += f" (expected {run['expected_acceptance_length']:.3f}"
-        line += f", recording match {run.get('recording_match', 0.0):.1%})"
-    print(line, flush=True)
-
-
-def _record(run: dict, results: dict, path: str | None) -> None:
-    """Add ``run`` to the results, print its line and write the JSON so far (a run cut
-    short still leaves the numbers of the rows before)."""
-    results["runs"].append(run)
-    _print_run(run)
-    if path:
-        write_json(results, path)
 
 
 def run_decode_bench(
@@ -281,7 +238,7 @@ def run_decode_bench(
             if proposer is not None:  # requests that found no recording (should be none)
                 run["oracle_unrecorded_requests"] = proposer.num_unrecorded_requests - unrecorded
                 unrecorded = proposer.num_unrecorded_requests
-            _record(run, results, path)
+            record_run(run, results, path)
         if rates and recordings is None and not mode["mtp"]:
             recordings = record_rows(llm, mode_name(mode), rows, k, results["config"])
         _shut_down([llm], device)
@@ -311,7 +268,7 @@ def _interleaved_rows(engines, modes, rows, k, rounds, warmup, results, path) ->
         built, rows.steady, max(rows.batch_sizes), rows.steady_max_tokens, rounds, rows.params
     )
     for run in made:
-        _record(run, results, path)
+        record_run(run, results, path)
     results["steady_rounds"] = summarize_rounds(made, [name for name, _, _ in built])
     results["steady_rounds"]["kv_cache_memory_gb_each"] = kv_gb
     _shut_down([llm for _, llm, _ in built], engines.device)

@@ -51,15 +51,19 @@ def test_cli_registers_bench_decode():
     assert args.handler.__module__ == "tandem.bench.decode"
 
 
+def _cpu_bench(tmp_path, batch_sizes: list[int], modes: str, **options) -> dict:
+    """``run_decode_bench`` of ``dummy:tiny`` on the CPU, 4 tokens a request, JSON under
+    ``tmp_path``."""
+    return run_decode_bench(
+        "dummy:tiny", batch_sizes, 4, parse_modes(modes), "cpu", None, str(tmp_path), **options
+    )
+
+
 def test_run_decode_bench_on_cpu(tmp_path, capsys, tokenizer_loaded_once):
-    results = run_decode_bench(
-        "dummy:tiny",
+    results = _cpu_bench(
+        tmp_path,
         [1, 2],
-        4,
-        parse_modes("plain,overlap"),
-        "cpu",
-        None,
-        str(tmp_path),
+        "plain,overlap",
         num_questions=3,
         steady_state_requests=5,
         steady_max_tokens=8,
@@ -90,17 +94,7 @@ def test_run_decode_bench_on_cpu(tmp_path, capsys, tokenizer_loaded_once):
 
 
 def test_fixed_rows_report_the_median_of_their_repeats(tmp_path, capsys, tokenizer_loaded_once):
-    results = run_decode_bench(
-        "dummy:tiny",
-        [2, 3],
-        4,
-        parse_modes("overlap"),
-        "cpu",
-        None,
-        str(tmp_path),
-        num_questions=0,
-        fixed_repeats=3,
-    )
+    results = _cpu_bench(tmp_path, [2, 3], "overlap", num_questions=0, fixed_repeats=3)
     assert results["config"]["fixed_repeats"] == 3
     for run in results["runs"]:
         assert run["kind"] == "fixed" and len(run["seconds_each"]) == 3
@@ -110,9 +104,7 @@ def test_fixed_rows_report_the_median_of_their_repeats(tmp_path, capsys, tokeniz
         assert run["output_tokens"] == run["batch_size"] * 4
     assert "the median of 3" in capsys.readouterr().out
     with pytest.raises(ValueError, match="fixed_repeats must be >= 1"):
-        run_decode_bench(
-            "dummy:tiny", [2], 4, parse_modes("overlap"), "cpu", None, None, fixed_repeats=0
-        )
+        _cpu_bench(tmp_path, [2], "overlap", fixed_repeats=0)
 
 
 class _CountingLLM:
