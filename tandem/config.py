@@ -57,13 +57,21 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding: ``mtp``, ``auto`` (MTP on CUDA when the model has a head, else
     none; made concrete when the engine loads the model), or for benchmarks only ``oracle``
-    (drafts replayed from recorded greedy outputs, ``oracle_corruption`` of them corrupted)."""
+    (drafts replayed from recorded greedy outputs, ``oracle_corruption`` of them corrupted).
+
+    ``draft_schedule``: fewer drafts for larger batches (TensorRT-LLM's draft length
+    schedule), pairs ``(rows, drafts)`` with rows ascending: a step resolved on the device
+    over at least ``rows`` rows verifies ``drafts`` drafts per request (the largest ``rows``
+    that applies wins; below the first, ``num_speculative_tokens``). Verifying k + 1 tokens
+    per row costs about what one does while the GEMMs are bound by reading the weights, not
+    past that (benchmarks/README.md, "The 8B shape at batch 64 on an H100")."""
 
     method: str | None = None
     num_speculative_tokens: int = 0
     # A Tandem head directory, "dummy" (random), or None (the checkpoint's or shipped head).
     model: str | None = None
     oracle_corruption: float = 0.0
+    draft_schedule: tuple[tuple[int, int], ...] = ()
 
     METHODS = (None, "auto", "mtp", "oracle")
 
@@ -78,6 +86,34 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}"
             )
+        try:
+            self.draft_schedule = tuple((int(r), int(d)) for r, d in self.draft_schedule)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"draft_schedule must be (batch size, drafts) pairs, got {self.draft_schedule!r}"
+            ) from error
+        if self.draft_schedule and not self.method:
+            raise ValueError("draft_schedule needs speculative decoding")
+        rows = [rows for rows, _ in self.draft_schedule]
+        if rows != sorted(set(rows)) or any(r < 1 for r in rows):
+            raise ValueError(
+                f"draft_schedule's batch sizes must be >= 1 and ascending, got {rows}"
+            )
+        for _, drafts in self.draft_schedule:
+            if not 1 <= drafts <= self.num_speculative_tokens:
+                raise ValueError(
+                    f"draft_schedule's drafts must be in [1, num_speculative_tokens = "
+                    f"{self.num_speculative_tokens}], got {drafts}"
+                )
+
+    def drafts_for(self, num_rows: int) -> int:
+        """The drafts per request that a resolved step of ``num_rows`` rows verifies (and
+        drafts for its next step): ``draft_schedule``'s, else ``num_speculative_tokens``."""
+        drafts = self.num_speculative_tokens
+        for rows, scheduled in self.draft_schedule:
+            if num_rows >= rows:
+                drafts = scheduled
+        return drafts
 
 
 @dataclass

@@ -41,6 +41,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-speculative", dest="speculative", action="store_const", const="none")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument(
+        "--speculative-draft-schedule",
+        type=draft_schedule,
+        default=(),
+        metavar="ROWS:DRAFTS,...",
+        help="fewer drafts for larger batches, e.g. 32:2,64:1: a step of at least 32 rows "
+        "verifies 2 drafts per request, of 64 or more 1 (default: "
+        "--num-speculative-tokens at every batch size)",
+    )
+    parser.add_argument(
         "--speculative-model",
         default=None,
         help="MTP head directory (from tandem train-mtp) or 'dummy'",
@@ -67,6 +76,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def draft_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """``--speculative-draft-schedule``'s value: comma-separated ``ROWS:DRAFTS`` pairs."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        rows, sep, drafts = item.partition(":")
+        if not sep or not rows.strip().isdigit() or not drafts.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected ROWS:DRAFTS pairs such as 32:2,64:1, got {item!r}"
+            )
+        pairs.append((int(rows), int(drafts)))
+    return tuple(pairs)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The options of :func:`tandem.llm.engine_config` that ``args`` set."""
     return {
@@ -81,6 +103,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "speculative": None if args.speculative == "none" else args.speculative,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_model": args.speculative_model,
+        "speculative_draft_schedule": args.speculative_draft_schedule,
         "overlap": not args.no_overlap,
         "attention_backend": args.attention_backend,
         "enforce_eager": args.enforce_eager,

@@ -33,6 +33,7 @@ def engine_config(
     num_speculative_tokens: int = 3,
     speculative_model: str | None = None,
     oracle_corruption: float = 0.0,
+    speculative_draft_schedule: tuple[tuple[int, int], ...] = (),
     overlap: bool = True,
     attention_backend: str | None = None,
     enforce_eager: bool = False,
@@ -70,6 +71,7 @@ def engine_config(
             num_speculative_tokens if speculative else 0,
             speculative_model,
             oracle_corruption,
+            speculative_draft_schedule if speculative else (),
         ),
         parallel=ParallelConfig(tensor_parallel_size, _distributed_rank(tensor_parallel_size)),
     )

@@ -281,7 +281,13 @@ def resolve_auto_speculation(config, files):
     on = config.device.startswith("cuda") and has_mtp_head(files, spec.model)
     method, tokens = ("mtp", spec.num_speculative_tokens) if on else (None, 0)
     return dataclasses.replace(
-        config, speculative=dataclasses.replace(spec, method=method, num_speculative_tokens=tokens)
+        config,
+        speculative=dataclasses.replace(
+            spec,
+            method=method,
+            num_speculative_tokens=tokens,
+            draft_schedule=spec.draft_schedule if on else (),
+        ),
     )
 
 

@@ -42,6 +42,10 @@ class RequestState:
     # Drafts that stayed in the slot after a resolved step (``drafts`` is then None): the
     # first ``slot_drafts`` of the slot's drafts.
     slot_drafts: int = 0
+    # How many drafts the last step to write the slot drafted into it: k, or fewer where
+    # the speculative draft schedule drafts fewer at a large batch. A resolved step
+    # verifies at most as many (the slot's later columns are an older step's).
+    slot_depth: int = 0
     # Its unread step emits exactly one token and filled its slot at launch (a prompt
     # drafted then): the slot's start is len(token_ids), not a bound.
     one_token_in_flight: bool = False

@@ -223,12 +223,12 @@ def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompt
     launch = mtp_steps.launch_uniform_step
     writes: list[tuple[int, int]] = []  # (highest position a row may write, its limit)
 
-    def checked(runner, slots, plans):
+    def checked(runner, slots, plans, *drafts):
         for plan in plans:  # reading a slot waits for the steps queued before this one
             start = int(slots.next_start[plan.state.slot])
             limit = min(max_model_len, len(plan.row.block_ids) * block_size)
             writes.append((start + 2 * K - 1, limit))
-        return launch(runner, slots, plans)
+        return launch(runner, slots, plans, *drafts)
 
     monkeypatch.setattr(mtp_steps, "launch_uniform_step", checked)
     short_prompts = [p for p in prompts if len(p["prompt_token_ids"]) < 100][:4]

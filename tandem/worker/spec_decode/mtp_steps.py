@@ -84,24 +84,28 @@ class MTPSteps:
     def launch_resolved(
         self, step: SchedulerOutput
     ) -> tuple[list[RowPlan], StepSample, list[SamplingRow]]:
-        """Queue ``step`` (``resolvable``) as a uniform step resolved on the device."""
-        query_len = self.slots.num_drafts + 1
+        """Queue ``step`` (``resolvable``) as a uniform step resolved on the device. Its rows
+        verify the drafts the draft schedule gives a step of their number
+        (``SpeculativeConfig.drafts_for``), or fewer where a row's slot holds fewer, and
+        the head drafts the schedule's number for the next step."""
+        states = [self.batch.states[row.request.request_id] for row in step.scheduled]
+        depth = self.runner.config.speculative.drafts_for(len(states))
+        num_drafts = min([depth] + [state.slot_depth for state in states])
+        for state in states:
+            state.slot_depth = depth
+        query_len = num_drafts + 1
         plans = [
-            RowPlan(
-                row,
-                self.batch.states[row.request.request_id],
-                -1,  # its start: on the device only
-                1,
-                query_len - 1,
-                index * query_len,
-            )
-            for index, row in enumerate(step.scheduled)
+            RowPlan(row, state, -1, 1, num_drafts, index * query_len)  # start: on the device
+            for index, (row, state) in enumerate(zip(step.scheduled, states, strict=True))
         ]
         graphs = self.step_graphs
         params = [plan.row.request.sampling_params for plan in plans]
         family = graph_family(params, self.runner.arch.vocab_size)
-        if graphs is None or family is None or graphs.padded_size(len(plans)) is None:
-            sample, sampling_rows = launch_uniform_step(self.runner, self.slots, plans)
+        size = None if graphs is None else graphs.padded_size(len(plans))
+        if family is None or size is None or (num_drafts, depth) not in graphs.shapes[size]:
+            sample, sampling_rows = launch_uniform_step(
+                self.runner, self.slots, plans, num_drafts, depth
+            )
             return plans, sample, sampling_rows
         outputs = graphs.run(
             [plan.state.slot for plan in plans],
@@ -109,8 +113,10 @@ class MTPSteps:
             family,
             params,
             [plan.state.seed for plan in plans],
+            num_drafts,
+            depth,
         )
-        sampling_rows = resolved_sampling_rows(plans, query_len - 1)
+        sampling_rows = resolved_sampling_rows(plans, num_drafts)
         candidates, emitted = outputs[0], outputs[1]
         if not any(p.logprobs is not None for p in params):
             return plans, StepSample(candidates, emitted, [], None), sampling_rows
@@ -184,6 +190,7 @@ class MTPSteps:
             )
             for _, plan in full:
                 plan.state.slot_ready = plan.state.one_token_in_flight = True
+                plan.state.slot_depth = k
 
     def _rows(self, tensor: torch.Tensor, indices: list[int]) -> torch.Tensor:
         """``tensor``'s rows at ``indices``: the tensor as it stands where they are all of
@@ -218,15 +225,15 @@ class MTPSteps:
 
     def after_resolved_read(self, plans: list[RowPlan], output: ModelRunnerOutput) -> None:
         """A resolved step was read: each request's drafts for its next step are in its
-        slot (those that would pass the context's end dropped, as at a ragged read)."""
-        k = self.slots.num_drafts
+        slot, as many as the last step to write it drafted (those that would pass the
+        context's end dropped, as at a ragged read)."""
         max_model_len = self.runner.max_model_len
         for plan in plans:
             state = plan.state
-            num_drafts = max(0, min(k, max_model_len - len(state.token_ids)))
+            num_drafts = max(0, min(state.slot_depth, max_model_len - len(state.token_ids)))
             state.drafts = state.draft_probs = None
             state.slot_drafts = num_drafts
-            state.slot_ready = num_drafts == k
+            state.slot_ready = num_drafts == state.slot_depth
             output.num_drafts[plan.request_id] = num_drafts
 
     def draft_after_read(self, inputs: StepInputs, hidden, emitted, output) -> None:
@@ -277,4 +284,4 @@ class MTPSteps:
             {state.slot: state.draft_probs for state in states if state.draft_probs is not None},
         )
         for state in states:
-            state.slot_ready = True
+            state.slot_ready, state.slot_depth = True, self.slots.num_drafts

@@ -34,7 +34,8 @@ except ImportError:  # tandem runs without triton: every stage takes its PyTorch
 
 @dataclass
 class VerifyRows:
-    """The inputs of a resolved verification step of B rows of k + 1 tokens."""
+    """The inputs of a resolved verification step of B rows of k + 1 tokens (k: the drafts
+    each row verifies, at most the slots' k)."""
 
     start: torch.Tensor  # [B] long: each row's first position (its last known token's)
     positions: torch.Tensor  # [B * (k + 1)] long
@@ -60,11 +61,19 @@ def table_blocks(tables, columns, pad_block):
 
 
 def verify_rows(
-    slots, slot_ids, tables, block_size: int, pad_block: int, use_triton: bool | None = None
+    slots,
+    slot_ids,
+    tables,
+    block_size: int,
+    pad_block: int,
+    use_triton: bool | None = None,
+    num_drafts: int | None = None,
 ) -> VerifyRows:
     """The rows ``slot_ids`` [B] (long) of ``slots`` (``RequestSlots``; rows naming the
-    scratch slot start at position 0) over their block tables ``tables`` [B, W] (int32)."""
-    rows, q = slot_ids.shape[0], slots.num_drafts + 1
+    scratch slot start at position 0) over their block tables ``tables`` [B, W] (int32),
+    each verifying the first ``num_drafts`` of its slot's drafts (default: all k)."""
+    k = slots.num_drafts if num_drafts is None else num_drafts
+    rows, q = slot_ids.shape[0], k + 1
     if not (kernels_apply(slot_ids, tables) if use_triton is None else use_triton):
         start = slots.next_start.index_select(0, slot_ids)
         start = torch.where(slot_ids == slots.scratch, 0, start)
@@ -72,7 +81,7 @@ def verify_rows(
         input_ids = torch.cat(
             [
                 slots.last_token.index_select(0, slot_ids)[:, None],
-                slots.drafts.index_select(0, slot_ids),
+                slots.drafts[:, :k].index_select(0, slot_ids),
             ],
             dim=1,
         )
@@ -126,11 +135,13 @@ def accept(
     use_triton: bool | None = None,
 ) -> Accepted:
     """Greedy verification of ``rows`` by the target's ``candidates`` [B * (k + 1)] (each
-    row accepts its drafts up to the first that differs), or, given ``emitted`` [B] (a
-    sampled verification's counts), those counts; then each row's slot moves on: its next
-    start past the accepted drafts and its last token the bonus candidate there."""
-    num_rows, k = slot_ids.shape[0], slots.num_drafts
-    q = k + 1
+    row accepts its drafts up to the first that differs; k: the drafts ``rows`` verify),
+    or, given ``emitted`` [B] (a sampled verification's counts), those counts; then each
+    row's slot moves on: its next start past the accepted drafts and its last token the
+    bonus candidate there."""
+    num_rows = slot_ids.shape[0]
+    q = rows.input_ids.shape[0] // num_rows if num_rows else slots.num_drafts + 1
+    k = q - 1
     if not (kernels_apply(slot_ids, candidates) if use_triton is None else use_triton):
         per_row = candidates.view(num_rows, q)
         if emitted is None:

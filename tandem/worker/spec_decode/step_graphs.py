@@ -53,26 +53,44 @@ def graph_family(params: list[SamplingParams], vocab_size: int) -> str | None:
     return "sampled_top_p" if any(p.top_p < 1.0 for p in sampled) else "sampled"
 
 
+def step_shapes(spec, batch_sizes: list[int]) -> dict[int, list[tuple[int, int]]]:
+    """Per padded batch size, the (drafts verified, drafts drafted) pairs its resolved steps
+    can have under ``spec``'s draft schedule (``SpeculativeConfig.drafts_for``): a step of
+    n rows drafts ``drafts_for(n)`` and verifies as many, or fewer where a row's slot holds
+    fewer (drafted by a larger step before); one pair, (k, k), without a schedule."""
+    shapes, previous = {}, 0
+    depths = {spec.num_speculative_tokens} | {drafts for _, drafts in spec.draft_schedule}
+    for size in batch_sizes:
+        drafted = {spec.drafts_for(n) for n in range(previous + 1, size + 1)}
+        shapes[size] = sorted((v, d) for d in drafted for v in depths if v <= d)
+        previous = size
+    return shapes
+
+
 class ResolvedStepGraphs:
     """Captures and replays whole resolved MTP steps for greedy batches."""
 
     def __init__(self, runner: ModelRunner, slots: RequestSlots, max_num_seqs: int):
         self.runner = runner
         self.slots = slots
-        self.num_drafts = slots.num_drafts
-        self.query_len = slots.num_drafts + 1
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.shapes = step_shapes(runner.config.speculative, self.batch_sizes)
         device, block_size = runner.device, runner.block_size
         self.scratch_block = runner.scratch_block
         self.generation = slots.generation  # the slots' storage the graphs were captured on
-        width = -(-(runner.max_model_len + 2 * self.query_len) // block_size)
+        # A row starts at most the unread step's k + 1 tokens past its last known one.
+        width = -(-(runner.max_model_len + 2 * (slots.num_drafts + 1)) // block_size)
         self.slot_ids = torch.full((max_num_seqs,), slots.scratch, dtype=torch.long, device=device)
         self.block_tables = torch.full(
             (max_num_seqs, width), self.scratch_block, dtype=torch.int32, device=device
         )
-        self.query_starts = torch.arange(
-            0, (max_num_seqs + 1) * self.query_len, self.query_len, dtype=torch.int32, device=device
-        )
+        # Per query length (drafts verified + 1), each row's first flat index.
+        self.query_starts = {
+            v + 1: torch.arange(
+                0, (max_num_seqs + 1) * (v + 1), v + 1, dtype=torch.int32, device=device
+            )
+            for v in {v for pairs in self.shapes.values() for v, _ in pairs}
+        }
         # The sampled families' parameters (padding rows: greedy, temperature 1).
         self.temperature = torch.ones(max_num_seqs, dtype=torch.float32, device=device)
         self.greedy = torch.ones(max_num_seqs, dtype=torch.bool, device=device)
@@ -80,9 +98,12 @@ class ResolvedStepGraphs:
         self.min_p = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.layouts = {
-            size: RejectionLayout.of([self.num_drafts] * size, device) for size in self.batch_sizes
+            (size, v): RejectionLayout.of([v] * size, device)
+            for size, pairs in self.shapes.items()
+            for v in {v for v, _ in pairs}
         }
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        # (family, padded size, drafts verified, drafts drafted): the graph, its outputs.
+        self.graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self.num_replays = 0
 
     def padded_size(self, num_rows: int) -> int | None:
@@ -92,18 +113,21 @@ class ResolvedStepGraphs:
             return None
         return next((size for size in self.batch_sizes if size >= num_rows), None)
 
-    def _verify(self, size: int):
-        """The first ``size`` rows' verification rows, attention metadata and the target's
-        hidden states and logits (in the model's dtype)."""
-        runner, q = self.runner, self.query_len
+    def _verify(self, size: int, num_drafts: int):
+        """The first ``size`` rows' verification rows (``num_drafts`` drafts each),
+        attention metadata and the target's hidden states and logits (in the model's
+        dtype)."""
+        runner, q = self.runner, num_drafts + 1
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
-        rows = verify_rows(self.slots, slot_ids, tables, runner.block_size, self.scratch_block)
+        rows = verify_rows(
+            self.slots, slot_ids, tables, runner.block_size, self.scratch_block, num_drafts=q - 1
+        )
         metadata = TritonAttentionMetadata(
             slot_mapping=rows.slot_mapping,
             max_query_len=q,
             min_query_len=q,
             block_tables=tables,
-            query_start_loc_device=self.query_starts[: size + 1],
+            query_start_loc_device=self.query_starts[q][: size + 1],
             seq_lens_device=rows.seq_lens,
         )
         hidden = runner.model(
@@ -111,25 +135,31 @@ class ResolvedStepGraphs:
         )
         return rows, metadata, hidden, runner.model.model_dtype_logits(hidden)
 
-    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The greedy resolved step of the first ``size`` rows of the static buffers:
-        candidates [size * (k + 1)] and emitted counts [size] (the slots are updated in
+    def _step(self, size: int, num_drafts: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy resolved step of the first ``size`` rows of the static buffers, each
+        verifying ``num_drafts`` drafts and drafting ``depth``: candidates
+        [size * (num_drafts + 1)] and emitted counts [size] (the slots are updated in
         place)."""
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
-        rows, metadata, hidden, logits = self._verify(size)
+        rows, metadata, hidden, logits = self._verify(size, num_drafts)
         candidates = argmax_rows(logits)
         accepted = accept(self.slots, slot_ids, rows, candidates)
-        drafts = self._draft(hidden, candidates, rows, metadata, accepted, tables, slot_ids)
-        self.slots.drafts.index_copy_(0, slot_ids, drafts)
+        drafts = self._draft(
+            hidden, candidates, rows, metadata, accepted, tables, slot_ids, depth
+        )
+        self.slots.drafts[:, :depth].index_copy_(0, slot_ids, drafts)
         return candidates, accepted.emitted
 
-    def _sampled_step(self, size: int, top_p: bool) -> tuple[torch.Tensor, ...]:
+    def _sampled_step(
+        self, size: int, top_p: bool, num_drafts: int, depth: int
+    ) -> tuple[torch.Tensor, ...]:
         """The resolved step of the first ``size`` rows with their sampling parameters
-        (``sample_uniform``; top-p only in the ``top_p`` family): candidates, emitted
-        counts, and the four logprobs tensors of every candidate (top ``MAX_LOGPROBS``)."""
-        slots, k = self.slots, self.num_drafts
+        (``sample_uniform``; top-p only in the ``top_p`` family), ``num_drafts`` and
+        ``depth`` as in ``_step``: candidates, emitted counts, and the four logprobs
+        tensors of every candidate (top ``MAX_LOGPROBS``)."""
+        slots = self.slots
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
-        rows, metadata, hidden, logits = self._verify(size)
+        rows, metadata, hidden, logits = self._verify(size, num_drafts)
         logits = logits.float()
         batch = SamplingBatch(
             self.temperature[:size],
@@ -140,9 +170,14 @@ class ResolvedStepGraphs:
             self.seeds[:size],
             all_greedy=False,
         )
-        draft_probs = slots.draft_probs.index_select(0, slot_ids)
+        draft_probs = slots.draft_probs[:, :num_drafts].index_select(0, slot_ids)
         candidates, emitted = sample_uniform(
-            logits, rows.input_ids, batch, draft_probs, rows.start + 1, self.layouts[size]
+            logits,
+            rows.input_ids,
+            batch,
+            draft_probs,
+            rows.start + 1,
+            self.layouts[size, num_drafts],
         )
         accepted = accept(slots, slot_ids, rows, candidates, emitted=emitted)
         drafts, probs = self.runner.proposer.propose_uniform(
@@ -153,24 +188,25 @@ class ResolvedStepGraphs:
             accepted,
             tables,
             [],
-            k,
+            depth,
             slot_ids,
             DraftSampling(batch, accepted.last_positions + 2),
         )
-        slots.drafts.index_copy_(0, slot_ids, drafts)
-        slots.draft_probs.index_copy_(0, slot_ids, probs)
+        slots.drafts[:, :depth].index_copy_(0, slot_ids, drafts)
+        slots.draft_probs[:, :depth].index_copy_(0, slot_ids, probs)
         logprobs = compute_logprobs(logits, candidates, MAX_LOGPROBS)
         return (candidates, emitted, *logprobs.tensors())
 
     def _draft(
-        self, hidden, candidates, rows, metadata, accepted, tables, slot_ids
+        self, hidden, candidates, rows, metadata, accepted, tables, slot_ids, depth
     ) -> torch.Tensor:
-        """The MTP head's drafts after the verification (``propose_uniform``'s steps, with
-        the later depths chained inline: a graph cannot replay another inside it)."""
+        """The MTP head's ``depth`` drafts after the verification (``propose_uniform``'s
+        steps, with the later depths chained inline: a graph cannot replay another inside
+        it)."""
         proposer = self.runner.proposer
         if getattr(proposer, "uniform_in_graph", False):  # no head (the benchmarks' oracle)
             drafts, _ = proposer.propose_uniform(
-                hidden, candidates, rows, metadata, accepted, tables, [], self.num_drafts, slot_ids
+                hidden, candidates, rows, metadata, accepted, tables, [], depth, slot_ids
             )
             return drafts
         layer_index = proposer.head.layer_for_depth(0)
@@ -186,10 +222,10 @@ class ResolvedStepGraphs:
         proposer.uniform_later_layers(head_hidden, rows, candidates, metadata, tables)
         head_hidden = head_hidden.index_select(0, accepted.kept)
         first = argmax_rows(proposer.model.model_dtype_logits(layer.final_norm(head_hidden)))
-        if self.num_drafts == 1:
+        if depth == 1:
             return first.unsqueeze(1)
         later, _ = draft_chain(
-            proposer, accepted.last_positions, tables, first, head_hidden, self.num_drafts - 1
+            proposer, accepted.last_positions, tables, first, head_hidden, depth - 1
         )
         return torch.cat([first.unsqueeze(1), later], dim=1)
 
@@ -218,23 +254,25 @@ class ResolvedStepGraphs:
         copy_to(self.min_p[:size], [p.min_p for p in params] + [0.0] * pad)
         copy_to(self.seeds[:size], list(seeds) + [0] * pad)
 
-    def _function(self, family: str, size: int):
+    def _function(self, family: str, size: int, num_drafts: int, depth: int):
         if family == "greedy":
-            return partial(self._step, size)
-        return partial(self._sampled_step, size, family == "sampled_top_p")
+            return partial(self._step, size, num_drafts, depth)
+        return partial(self._sampled_step, size, family == "sampled_top_p", num_drafts, depth)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per family and padded batch size (largest first, one memory
-        pool)."""
+        """Capture one graph per family, padded batch size and its (drafts verified, drafts
+        drafted) pairs (``step_shapes``; largest first, one memory pool)."""
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(self.runner.device)
         for family in FAMILIES:
             for size in reversed(self.batch_sizes):
-                self._fill([], [], size)
-                self._fill_sampling([], [], size)
-                function = self._function(family, size)
-                self.graphs[family, size] = capture_graph(function, pool, stream)
+                for num_drafts, depth in self.shapes[size]:
+                    self._fill([], [], size)
+                    self._fill_sampling([], [], size)
+                    function = self._function(family, size, num_drafts, depth)
+                    key = (family, size, num_drafts, depth)
+                    self.graphs[key] = capture_graph(function, pool, stream)
         torch.cuda.synchronize()
 
     def run(
@@ -244,24 +282,32 @@ class ResolvedStepGraphs:
         family: str = "greedy",
         params: list[SamplingParams] | None = None,
         seeds: list[int] | None = None,
+        num_drafts: int | None = None,
+        depth: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The resolved step of these rows (their slots and block tables, and for a sampled
-        ``family`` their sampling ``params`` and key ``seeds``): candidates [rows * (k + 1)]
-        and emitted counts [rows], then for a sampled family the four logprobs tensors of
-        every candidate; views of static buffers valid until the next replay (copies
-        queued behind the replay read them in time). The host never waits here."""
+        ``family`` their sampling ``params`` and key ``seeds``), each verifying
+        ``num_drafts`` drafts and drafting ``depth`` (both default to k; a pair of
+        ``shapes``): candidates [rows * (num_drafts + 1)] and emitted counts [rows], then
+        for a sampled family the four logprobs tensors of every candidate; views of static
+        buffers valid until the next replay (copies queued behind the replay read them in
+        time). The host never waits here."""
         rows = len(slot_ids)
         size = self.padded_size(rows)
+        num_drafts = self.slots.num_drafts if num_drafts is None else num_drafts
+        depth = self.slots.num_drafts if depth is None else depth
         if size is None:
             raise ValueError(f"{rows} rows: more than the largest step graph")
+        if (num_drafts, depth) not in self.shapes[size]:
+            raise ValueError(f"no step graph verifies {num_drafts} and drafts {depth} at {size}")
         self._fill(slot_ids, block_tables, size)
         if family != "greedy":
             self._fill_sampling(params, seeds, size)
         if not self.graphs:  # not captured (the CPU): the same step, eagerly
-            outputs = self._function(family, size)()
+            outputs = self._function(family, size, num_drafts, depth)()
         else:
-            graph, outputs = self.graphs[family, size]
+            graph, outputs = self.graphs[family, size, num_drafts, depth]
             graph.replay()
             self.num_replays += 1
-        num_logits = rows * self.query_len
+        num_logits = rows * (num_drafts + 1)
         return (outputs[0][:num_logits], outputs[1][:rows], *(t[:num_logits] for t in outputs[2:]))

@@ -76,19 +76,27 @@ def launch_uniform_step(
     runner: ModelRunner,
     slots: RequestSlots,
     plans: list[RowPlan],
+    num_drafts: int | None = None,
+    depth: int | None = None,
 ) -> tuple[StepSample, list[SamplingRow]]:
-    """Queue the uniform step of ``plans`` (offsets ``b * (k + 1)``); returns its sample
-    (candidates, emitted counts and logprobs on the device) and sampling rows."""
-    k = slots.num_drafts
+    """Queue the uniform step of ``plans`` (offsets ``b * (k + 1)``), each row verifying
+    the first ``num_drafts`` of its slot's drafts and the head drafting ``depth`` for the
+    next step (both default to the slots' k); returns its sample (candidates, emitted
+    counts and logprobs on the device) and sampling rows."""
+    k = slots.num_drafts if num_drafts is None else num_drafts
+    depth = slots.num_drafts if depth is None else depth
     query_len = k + 1
     device, block_size = runner.device, runner.block_size
     slot_ids = to_device([plan.state.slot for plan in plans], torch.long, device)
     host_tables = [plan.row.block_ids for plan in plans]
     width = max(len(table) for table in host_tables)
     tables = to_device(block_table_array(host_tables, width), torch.int32, device)
-    rows = verify_rows(slots, slot_ids, tables, block_size, runner.scratch_block)
+    rows = verify_rows(slots, slot_ids, tables, block_size, runner.scratch_block, num_drafts=k)
+    # The row starts at most the unread step's 1 + (the slots') k tokens past the last
+    # known one.
+    reach = slots.num_drafts + 1 + query_len
     bounds = [
-        min(len(plan.state.token_ids) + 2 * query_len, len(plan.row.block_ids) * block_size)
+        min(len(plan.state.token_ids) + reach, len(plan.row.block_ids) * block_size)
         for plan in plans
     ]
     metadata = runner.backend.build_metadata(
@@ -112,7 +120,7 @@ def launch_uniform_step(
     logits = runner.model.compute_logits(hidden)
     sampled = not all(plan.row.request.sampling_params.greedy for plan in plans)
     # A copy: the drafting below writes the slots' next q.
-    draft_probs = slots.draft_probs.index_select(0, slot_ids) if sampled else None
+    draft_probs = slots.draft_probs[:, :k].index_select(0, slot_ids) if sampled else None
     sampling_rows = resolved_sampling_rows(plans, k, draft_probs)
     # Each row draws from the position after its last known token (keyed randomness).
     sample = sample_step(sampling_rows, logits, rows.input_ids, positions=rows.start + 1)
@@ -125,11 +133,11 @@ def launch_uniform_step(
         accepted,
         tables,
         host_tables,
-        k,
+        depth,
         slot_ids,
         draft_sampling(plans, accepted, runner.arch.vocab_size, device),
     )
-    slots.drafts.index_copy_(0, slot_ids, drafts)
+    slots.drafts[:, :depth].index_copy_(0, slot_ids, drafts)
     if probs is not None:
-        slots.draft_probs.index_copy_(0, slot_ids, probs)
+        slots.draft_probs[:, :depth].index_copy_(0, slot_ids, probs)
     return sample, sampling_rows
