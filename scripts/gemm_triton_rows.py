@@ -42,8 +42,17 @@ def _configs():
 
 @triton.autotune(configs=_configs(), key=["M", "N", "K"])
 @triton.jit
-def _gemm(x_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+def _gemm(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # The row tiles of one column tile are consecutive programs: they run together and
     # share that weight slice through L2, so the weights stream from HBM once.
     pid = tl.program_id(0)
@@ -62,15 +71,21 @@ def _gemm(x_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
         acc = tl.dot(x, w, acc)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rows < M)[:, None])
+    tl.store(
+        out_ptr + rows[:, None] * N + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rows < M)[:, None],
+    )
 
 
 def triton_linear(x, w):
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
     _gemm[grid](x, w, out, m, n, k)
     return out
 
@@ -88,8 +103,12 @@ def _rotating(fn, weights, x):
 
 def main():
     out_dir = os.environ.get("OUT", ".")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "triton": triton.__version__, "rows": {}}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "rows": {},
+    }
     for m in ROWS:
         row = {}
         for name, (k, n) in SHAPES.items():
@@ -102,8 +121,10 @@ def main():
             diff = (triton_linear(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max()
             best = _gemm.best_config
             row[name] = {
-                "cublas_us": round(cublas, 1), "cublas_transposed_us": round(cublas_t, 1),
-                "triton_us": round(tri, 1), "triton_config": str(best),
+                "cublas_us": round(cublas, 1),
+                "cublas_transposed_us": round(cublas_t, 1),
+                "triton_us": round(tri, 1),
+                "triton_config": str(best),
                 "triton_max_abs_diff": float(diff),
             }
             print(m, name, row[name], flush=True)

@@ -96,9 +96,7 @@ class SpeculativeConfig:
             raise ValueError("draft_schedule needs speculative decoding")
         rows = [rows for rows, _ in self.draft_schedule]
         if rows != sorted(set(rows)) or any(r < 1 for r in rows):
-            raise ValueError(
-                f"draft_schedule's batch sizes must be >= 1 and ascending, got {rows}"
-            )
+            raise ValueError(f"draft_schedule's batch sizes must be >= 1 and ascending, got {rows}")
         for _, drafts in self.draft_schedule:
             if not 1 <= drafts <= self.num_speculative_tokens:
                 raise ValueError(

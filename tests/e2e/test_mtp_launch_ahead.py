@@ -168,20 +168,30 @@ def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(make_llm, prom
     assert pipeline.num_launched_ahead > 0
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_device_slots_agree_with_the_host_under_preemption_and_aborts(make_llm, prompts, overlap):
+@pytest.mark.parametrize(
+    ("overlap", "schedule"),
+    [(False, ()), (True, ()), (True, ((3, 2), (6, 1)))],
+    ids=["read-first", "overlap", "overlap-draft-schedule"],
+)
+def test_device_slots_agree_with_the_host_under_preemption_and_aborts(
+    make_llm, prompts, overlap, schedule
+):
+    """With a draft schedule a slot holds the drafts its last step drafted (fewer than k at
+    a large batch): the host's count of them agrees."""
     llm = make_llm(
         speculative="mtp",
         num_speculative_tokens=K,
         num_kv_blocks=48,
         max_num_seqs=8,
         overlap=overlap,
+        speculative_draft_schedule=schedule,
     )
     pipeline = llm.engine.pipeline
     slots = pipeline.mtp.slots
     before = llm.get_metrics()["num_preemptions"]
     ids = [llm.add_request(p, _greedy(64, ignore_eos=True)) for p in prompts]
     checked = steps = 0
+    depths = set()
     while llm.engine.has_unfinished_requests():
         llm.step()
         steps += 1
@@ -198,8 +208,14 @@ def test_device_slots_agree_with_the_host_under_preemption_and_aborts(make_llm, 
             checked += 1
             assert slots.next_start[state.slot].item() == len(state.token_ids) - 1
             assert slots.last_token[state.slot].item() == state.token_ids[-1]
-            assert torch.equal(slots.drafts[state.slot], pipeline.batch.drafts_of(state))
+            drafts = pipeline.batch.drafts_of(state)
+            assert drafts.shape[0] == state.slot_depth
+            assert torch.equal(slots.drafts[state.slot, : state.slot_depth], drafts)
+            depths.add(state.slot_depth)
     assert checked > 0
+    # With the schedule, slots checked holding fewer than k drafts (at 6 rows and more
+    # every request has a step in flight, so the 1-deep ones are not checked here).
+    assert min(depths) < K if schedule else depths == {K}
     assert llm.get_metrics()["num_preemptions"] > before
     assert pipeline.num_resolved_steps > 0
 

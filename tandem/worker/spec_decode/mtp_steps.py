@@ -56,11 +56,12 @@ class MTPSteps:
         return not step.is_empty and all(self.row_resolvable(row, ahead) for row in step.scheduled)
 
     def row_resolvable(self, row: ScheduledRequest, ahead: bool) -> bool:
-        """Whether the device can resolve ``row``: the verification of a full k drafts of a
-        request (greedy or sampled) whose slot is ready, with no end-token ban to apply
-        (min_tokens met) and nothing that reads the output (a bias, penalty, grammar), and
-        room for its writes within its blocks and the context; ``ahead``: a step in front of
-        it is still unread, so the room must hold however many drafts that step accepts."""
+        """Whether the device can resolve ``row``: the verification of the drafts in the
+        slot of a request (greedy or sampled) whose slot is ready (a full k, or as many as
+        the draft schedule drafted), with no end-token ban to apply (min_tokens met) and
+        nothing that reads the output (a bias, penalty, grammar), and room for its writes
+        within its blocks and the context; ``ahead``: a step in front of it is still
+        unread, so the room must hold however many drafts that step accepts."""
         if not getattr(self.runner.proposer, "resolves_on_device", False):
             return False
         k = self.slots.num_drafts
@@ -71,7 +72,7 @@ class MTPSteps:
         # A step in flight that emits one token (drafted at launch) leaves no doubt.
         num_known = len(state.token_ids) + state.one_token_in_flight
         if (
-            row.num_new_tokens < k + 1
+            row.num_new_tokens < state.slot_depth + 1
             or not state.slot_ready
             or num_known - state.num_prompt_tokens < params.min_tokens
             or params.reads_output  # a bias, penalty or grammar: the host-read path
@@ -79,7 +80,7 @@ class MTPSteps:
             return False
         limit = min(self.runner.max_model_len, len(row.block_ids) * self.runner.block_size)
         ahead = ahead and not state.one_token_in_flight
-        return resolved_length_bound(num_known, k, ahead) <= limit
+        return resolved_length_bound(num_known, k, ahead, state.slot_depth) <= limit
 
     def launch_resolved(
         self, step: SchedulerOutput

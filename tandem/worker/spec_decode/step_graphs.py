@@ -144,9 +144,7 @@ class ResolvedStepGraphs:
         rows, metadata, hidden, logits = self._verify(size, num_drafts)
         candidates = argmax_rows(logits)
         accepted = accept(self.slots, slot_ids, rows, candidates)
-        drafts = self._draft(
-            hidden, candidates, rows, metadata, accepted, tables, slot_ids, depth
-        )
+        drafts = self._draft(hidden, candidates, rows, metadata, accepted, tables, slot_ids, depth)
         self.slots.drafts[:, :depth].index_copy_(0, slot_ids, drafts)
         return candidates, accepted.emitted
 

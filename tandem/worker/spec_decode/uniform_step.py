@@ -25,14 +25,17 @@ from tandem.worker.spec_decode.slot_rows import Accepted, accept, verify_rows
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step, sampling_batch
 
 
-def resolved_length_bound(num_known_tokens: int, num_drafts: int, ahead: bool = True) -> int:
+def resolved_length_bound(
+    num_known_tokens: int, num_drafts: int, ahead: bool = True, verified: int | None = None
+) -> int:
     """One past the highest position that a resolved row may write, target and MTP head
     together, for a request of ``num_known_tokens`` tokens on the host: the row starts at
     the last known token, or (``ahead``: a step of the request is still unread) at most
-    that step's k + 1 tokens past it; it verifies k drafts, and the head drafts k - 1
-    deeper."""
+    that step's k + 1 tokens past it; it verifies at most ``verified`` drafts (default k:
+    the drafts its slot holds), and the head drafts at most k - 1 deeper."""
     start = num_known_tokens - 1 + (num_drafts + 1 if ahead else 0)
-    return start + num_drafts + (num_drafts - 1) + 1
+    verified = num_drafts if verified is None else verified
+    return start + verified + (num_drafts - 1) + 1
 
 
 def resolved_sampling_rows(
