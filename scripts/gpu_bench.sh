@@ -18,7 +18,8 @@
 #               lengths capped at STEADY_MAX_TOKENS (default 256), in STEADY_ROUNDS
 #               (default 5) rounds alternating the modes, all engines alive at once; every request at
 #               TEMPERATURE (default 0: greedy) and TOP_P (default 1); other batch sizes time
-#               their generate FIXED_REPEATS times (default 3) and report the median; HEAD names an MTP head
+#               their generate FIXED_REPEATS times (default 3) and report the median;
+#               DRAFT_SCHEDULE (ROWS:DRAFTS,...) the MTP engines' draft schedule; HEAD names an MTP head
 #               directory (default the model's). With ORACLE set (rates,
 #               e.g. 0.19,0.456: expected acceptance lengths 3.0 and 2.0 at k = 3; 0: 4.0)
 #               a second run on ORACLE_MODEL (default dummy:llama3-8b-peaked: random
@@ -85,7 +86,7 @@ for stage in ${STAGES:-tests decode latency throughput}; do
       rows="--questions ${QUESTIONS:-16} --profile-questions ${PROFILE_QUESTIONS:-4}"
       rows="$rows --steady-max-tokens ${STEADY_MAX_TOKENS:-256} --num-speculative-tokens 3"
       rows="$rows --temperature ${TEMPERATURE:-0} --top-p ${TOP_P:-1} --steady-rounds ${STEADY_ROUNDS:-5}"
-      rows="$rows --fixed-repeats ${FIXED_REPEATS:-3}"
+      rows="$rows --fixed-repeats ${FIXED_REPEATS:-3} ${DRAFT_SCHEDULE:+--draft-schedule $DRAFT_SCHEDULE}"
       timeout "${STAGE_TIMEOUT:-290}" python3 -m tandem.cli bench decode --device cuda --model "$model" \
         --batch-sizes "${BATCH_SIZES:-1,8,64}" --max-tokens "${MAX_TOKENS:-128}" \
         --modes "${MODES:-plain,overlap,mtp,mtp+overlap}" $rows ${HEAD:+--speculative-model "$HEAD"} \

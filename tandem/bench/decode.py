@@ -31,6 +31,7 @@ from tandem.bench.decode_oracle import oracle_fields, oracle_mode, parse_rates, 
 from tandem.bench.decode_report import record_run
 from tandem.bench.decode_runs import DecodeRows, mtbench_prompts
 from tandem.bench.results import result_path, write_json
+from tandem.engine_options import draft_schedule
 
 MODE_NAMES = {
     "plain": {"overlap": False, "mtp": False},
@@ -68,6 +69,7 @@ class EngineSpec:
     num_speculative_tokens: int
     speculative_model: str | None
     kv_cache_memory_gb: float | None
+    draft_schedule: tuple[tuple[int, int], ...] = ()  # MTP and oracle engines'
 
     def build(self, mode: dict) -> Any:
         """One engine for ``mode`` (the oracle's gets no recordings yet)."""
@@ -82,6 +84,8 @@ class EngineSpec:
         elif mode["mtp"]:
             extra.update(speculative="mtp", num_speculative_tokens=k)
             extra["speculative_model"] = self.speculative_model
+        if self.draft_schedule and "speculative" in extra:
+            extra["speculative_draft_schedule"] = self.draft_schedule
         if self.kv_cache_memory_gb is not None:
             extra["kv_cache_memory_gb"] = self.kv_cache_memory_gb
         return LLM(
@@ -127,6 +131,7 @@ def run_decode_bench(
     top_p: float = 1.0,
     steady_rounds: int = 1,
     fixed_repeats: int = 1,
+    draft_schedule: tuple[tuple[int, int], ...] = (),
 ) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
@@ -145,8 +150,9 @@ def run_decode_bench(
     drafts corrupted. With ``steady_rounds`` > 1 the modes' steady rows instead run in
     alternation, all their engines alive at once (:mod:`tandem.bench.decode_interleaved`;
     ``kind: steady_round``, the summary in ``steady_rounds``; the oracle's engines keep
-    their own). Returns ``{"config": ..., "runs": [...]}`` and writes it as
-    ``decode-<device>-<stamp>.json`` under ``out_dir`` when one is given.
+    their own). ``draft_schedule``: the MTP and oracle engines' (``SpeculativeConfig``).
+    Returns ``{"config": ..., "runs": [...]}`` and writes it as ``decode-<device>-<stamp>.json``
+    under ``out_dir`` when one is given.
     """
     import torch
 
@@ -180,7 +186,14 @@ def run_decode_bench(
         fixed_repeats=fixed_repeats,
     )
     engines = EngineSpec(
-        model, device, dtype, max(batch_sizes), k, speculative_model, kv_cache_memory_gb
+        model,
+        device,
+        dtype,
+        max(batch_sizes),
+        k,
+        speculative_model,
+        kv_cache_memory_gb,
+        tuple(draft_schedule),
     )
     warmup = SamplingParams(temperature=0.0, max_tokens=_WARMUP_TOKENS, ignore_eos=True)
     config = {
@@ -191,6 +204,7 @@ def run_decode_bench(
         "max_tokens": max_tokens,
         "modes": [mode_name(m) for m in modes],
         "num_speculative_tokens": k,
+        "draft_schedule": [list(pair) for pair in draft_schedule],
         "speculative_model": speculative_model,
         "kv_cache_memory_gb": kv_cache_memory_gb,
         "num_questions": num_questions if 1 in batch_sizes else 0,
@@ -286,6 +300,13 @@ def add_cli_arguments(parser) -> None:
         help=f"comma-separated, from {', '.join(MODE_NAMES)}",
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument(
+        "--draft-schedule",
+        type=draft_schedule,
+        default=(),
+        metavar="ROWS:DRAFTS,...",
+        help="the MTP and oracle engines' --speculative-draft-schedule",
+    )
     parser.add_argument("--speculative-model", default=None, help="MTP head directory")
     parser.add_argument(
         "--kv-cache-memory-gb",
@@ -371,5 +392,6 @@ def main_from_args(args) -> int:
         top_p=args.top_p,
         steady_rounds=args.steady_rounds,
         fixed_repeats=args.fixed_repeats,
+        draft_schedule=args.draft_schedule,
     )
     return 0

@@ -12,7 +12,7 @@ import pytest
 
 from tandem.bench import decode_runs
 from tandem.bench.datasets import BenchRequest
-from tandem.bench.decode import mode_name, parse_modes, run_decode_bench
+from tandem.bench.decode import EngineSpec, mode_name, parse_modes, run_decode_bench
 from tandem.bench.timing import fixed_and_per_step
 from tandem.cli import build_parser
 
@@ -248,3 +248,16 @@ def test_steady_rows_submit_every_request_at_once_with_its_dataset_length(monkey
     assert run["requested_output_tokens"] == 77 and run["max_tokens"] == 64
     assert run["tokens_per_s"] == pytest.approx(50.0)
     assert run["mean_acceptance_length"] == pytest.approx(2.5)
+
+
+def test_the_draft_schedule_reaches_the_speculative_engines_only(tokenizer_loaded_once):
+    args = build_parser().parse_args(["bench", "decode", "--draft-schedule", "2:1"])
+    assert args.draft_schedule == ((2, 1),)
+    spec = EngineSpec("dummy:tiny", "cpu", None, 4, 3, "dummy", None, args.draft_schedule)
+    mtp = spec.build({"overlap": True, "mtp": True})
+    assert mtp.engine.config.speculative.draft_schedule == ((2, 1),)
+    assert mtp.engine.config.speculative.drafts_for(4) == 1
+    plain = spec.build({"overlap": True, "mtp": False})
+    assert plain.engine.config.speculative.draft_schedule == ()
+    for llm in (mtp, plain):
+        llm.engine.shutdown()
