@@ -16,16 +16,12 @@ SCHEDULE = ((3, 2), (6, 1))  # 1-2 rows: 3 drafts, 3-5 rows: 2, 6 and more: 1
 
 
 @pytest.fixture(scope="module")
-def prompts(llm_cache):
-    from tandem import LLM
-
-    if () not in llm_cache:
-        llm_cache[()] = LLM()
-    tokenizer = llm_cache[()].tokenizer
-    questions = [q["turns"][0] for q in load_mtbench()[2::7]][:8]
+def prompts(offline):
+    """Eight MT-Bench first turns under the default model's chat template."""
+    chat = offline.tokenizer.apply_chat_template
     return [
-        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-        for q in questions
+        {"prompt_token_ids": chat([{"role": "user", "content": q["turns"][0]}])}
+        for q in load_mtbench()[2::7][:8]
     ]
 
 
