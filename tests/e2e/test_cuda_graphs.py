@@ -25,7 +25,17 @@ from tandem.bench.hf_reference import (
 from tandem.models.loader import default_model_path
 
 MAX_TOKENS = 48
-ENGINES = {"plain": {}, "mtp": {"speculative": "mtp", "num_speculative_tokens": 3}}
+ENGINES = {
+    "plain": {},
+    "mtp": {"speculative": "mtp", "num_speculative_tokens": 3},
+    # Fewer drafts at larger batches: 16 rows verify 1, 4 to 11 rows 2, fewer 3; the batch
+    # shrinks as requests end, so steps verify fewer drafts than they draft too.
+    "mtp-draft-schedule": {
+        "speculative": "mtp",
+        "num_speculative_tokens": 3,
+        "speculative_draft_schedule": ((4, 2), (12, 1)),
+    },
+}
 
 
 def _model() -> str:
@@ -87,7 +97,7 @@ def test_graphs_match_eager_and_hf_on_cuda(engine):
     prompt_steps = -(-sum(map(len, prompts)) // 512)
     assert prompt_steps >= 2 and drafting["ragged_replays"] >= prompt_steps
     assert eager_drafting["ragged_replays"] == 0
-    if engine == "mtp":  # later draft depths replayed too, and drafted as well as eagerly
+    if engine != "plain":  # later draft depths replayed too, and drafted as well as eagerly
         _assert_drafted_as_eagerly(drafting, eager_drafting)
     _assert_outputs_match(graphed, eager)
     hf = load_hf_model(_model(), torch.float32, "cuda")
@@ -138,10 +148,11 @@ def _assert_outputs_match(graphed, eager) -> None:
 
 
 @pytest.mark.gpu
-def test_sampled_step_graphs_draw_what_the_eager_steps_draw_on_cuda():
-    """fp32, MTP k=3, seeded sampled rows (top-p and not) beside greedy ones, with
-    logprobs: the resolved steps' graphs (the sampled families) emit the eager engine's
-    tokens, with its logprobs within 1e-4."""
+@pytest.mark.parametrize("engine", ["mtp", "mtp-draft-schedule"])
+def test_sampled_step_graphs_draw_what_the_eager_steps_draw_on_cuda(engine):
+    """fp32, MTP k=3 (with a draft schedule too), seeded sampled rows (top-p and not)
+    beside greedy ones, with logprobs: the resolved steps' graphs (the sampled families)
+    emit the eager engine's tokens, with its logprobs within 1e-4."""
     params = [
         SamplingParams(
             temperature=[0.0, 0.8, 1.1][i % 3],
@@ -152,8 +163,8 @@ def test_sampled_step_graphs_draw_what_the_eager_steps_draw_on_cuda():
         )
         for i in range(16)
     ]
-    _, graphed, replays, _, _ = _run(ENGINES["mtp"], params=params)
-    _, eager, eager_replays, _, _ = _run(ENGINES["mtp"], params=params, enforce_eager=True)
+    _, graphed, replays, _, _ = _run(ENGINES[engine], params=params)
+    _, eager, eager_replays, _, _ = _run(ENGINES[engine], params=params, enforce_eager=True)
     assert replays >= MAX_TOKENS // 4 and eager_replays == 0
     for got, want in zip(graphed, eager, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
