@@ -48,7 +48,7 @@ def _record_resolved_steps(mtp, records: list) -> None:
 def test_greedy_outputs_follow_plain_decoding_as_the_batch_shrinks(make_llm, prompts, overlap):
     """Eight requests of different lengths: the batch shrinks through both thresholds, so
     steps verify 1, 2 and 3 drafts, and some verify fewer than they draft (their rows'
-    slots were drafted by a larger step)."""
+    slots were drafted by a larger step); with overlap they still launch ahead."""
     llm = make_llm(
         speculative="mtp",
         num_speculative_tokens=K,
@@ -60,13 +60,17 @@ def test_greedy_outputs_follow_plain_decoding_as_the_batch_shrinks(make_llm, pro
         SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
         for i in range(len(prompts))
     ]
-    mtp = llm.engine.pipeline.mtp
+    pipeline = llm.engine.pipeline
+    mtp = pipeline.mtp
     records: list = []
     _record_resolved_steps(mtp, records)
+    ahead_before = pipeline.num_launched_ahead
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del mtp.launch_resolved
+    if overlap:  # the schedule keeps decode steps launching before the read in front
+        assert pipeline.num_launched_ahead - ahead_before >= 0.9 * (len(records) - 1)
     want = make_llm().generate(prompts, params, use_tqdm=False)
     assert _tokens(outputs) == _tokens(want)
     for got_output, want_output in zip(outputs, want, strict=True):
