@@ -43,6 +43,15 @@ def configs() -> list[dict]:
 
 
 @triton.jit
+def _tile_origin(M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's first row and column: the row tiles of one column tile are
+    consecutive programs (they share that weight slice through L2)."""
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    return (pid % m_tiles) * BLOCK_M, (pid // m_tiles) * BLOCK_N
+
+
+@triton.jit
 def _gemm_pointer(
     x_ptr,
     w_ptr,
@@ -54,10 +63,9 @@ def _gemm_pointer(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    rows = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0, col0 = _tile_origin(M, BLOCK_M, BLOCK_N)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None] * K + ks[None, :]
     w_tile = w_ptr + cols[None, :] * K + ks[:, None]
@@ -85,9 +93,7 @@ def _gemm_tma(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    row0, col0 = (pid % m_tiles) * BLOCK_M, (pid // m_tiles) * BLOCK_N
+    row0, col0 = _tile_origin(M, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):  # rows past M load as zeros; the store clips them
         acc = tl.dot(x_desc.load([row0, k]), w_desc.load([col0, k]).T, acc)

@@ -123,7 +123,7 @@ def test_the_step_graph_functions_draw_what_the_eager_step_draws_at_every_pair(m
     calls = []
     run = mtp.step_graphs.run
     mtp.step_graphs.run = lambda *args: (
-        calls.append((len(args[0]), args[2], *args[5:])) or run(*args)
+        calls.append((len(args[0]), args[4], args[2], args[3])) or run(*args)
     )
     try:
         got = [graphed.generate(prompts, params, use_tqdm=False) for params in (greedy, mixed)]

@@ -220,10 +220,19 @@ def test_device_slots_agree_with_the_host_under_preemption_and_aborts(
     assert pipeline.num_resolved_steps > 0
 
 
-def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompts, monkeypatch):
-    """Requests run to the context's end: every resolved row's writes (the target's k + 1
-    positions, the head's k - 1 deeper ones at most) stay below the context and inside the
-    blocks the scheduler gave it; rows too near the end are not resolved."""
+@pytest.mark.parametrize(
+    ("overlap", "schedule"),
+    [(True, ()), (False, ((3, 1),))],
+    ids=["overlap", "read-first-draft-schedule"],
+)
+def test_resolved_rows_stay_inside_their_blocks_and_the_context(
+    make_llm, prompts, monkeypatch, overlap, schedule
+):
+    """Requests run to the context's end: every resolved row's writes (the target's v + 1
+    positions for v drafts verified, the head's d - 1 deeper ones for d drafted) stay below
+    the context and inside the blocks the scheduler gave it; rows too near the end are not
+    resolved. With a draft schedule and no overlap the scheduler budgets a row only the
+    drafts its slot holds (fewer than k), and the written-length bound counts those."""
     from tandem.worker.spec_decode import mtp_steps
 
     max_model_len = 160
@@ -234,17 +243,21 @@ def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompt
         num_speculative_tokens=K,
         max_model_len=max_model_len,
         enforce_eager=True,
+        overlap=overlap,
+        speculative_draft_schedule=schedule,
     )
     block_size = llm.engine.block_manager.block_size
     launch = mtp_steps.launch_uniform_step
     writes: list[tuple[int, int]] = []  # (highest position a row may write, its limit)
+    shapes = set()  # (drafts verified, drafts drafted)
 
-    def checked(runner, slots, plans, *drafts):
+    def checked(runner, slots, plans, num_drafts, depth):
         for plan in plans:  # reading a slot waits for the steps queued before this one
             start = int(slots.next_start[plan.state.slot])
             limit = min(max_model_len, len(plan.row.block_ids) * block_size)
-            writes.append((start + 2 * K - 1, limit))
-        return launch(runner, slots, plans, *drafts)
+            writes.append((start + num_drafts + depth - 1, limit))
+        shapes.add((num_drafts, depth))
+        return launch(runner, slots, plans, num_drafts, depth)
 
     monkeypatch.setattr(mtp_steps, "launch_uniform_step", checked)
     short_prompts = [p for p in prompts if len(p["prompt_token_ids"]) < 100][:4]
@@ -256,6 +269,9 @@ def test_resolved_rows_stay_inside_their_blocks_and_the_context(make_llm, prompt
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert writes and all(highest < limit for highest, limit in writes)
     assert max(highest for highest, _ in writes) >= max_model_len - 4 * K - 2
+    # With the schedule: steps of 1 draft (rows budgeted 2 tokens) and, once fewer rows
+    # run, of k.
+    assert shapes >= {(1, 1), (K, K)} if schedule else shapes == {(K, K)}
 
 
 def test_the_whole_step_graph_function_equals_the_eager_resolved_step(make_llm):
@@ -292,7 +308,7 @@ def test_the_whole_step_graph_function_equals_the_eager_resolved_step(make_llm):
     mtp.step_graphs = ResolvedStepGraphs(graphed.engine.runner, mtp.slots, 4)
     calls = []
     run = mtp.step_graphs.run
-    mtp.step_graphs.run = lambda *args: calls.append((len(args[0]), args[2])) or run(*args)
+    mtp.step_graphs.run = lambda *args: calls.append((len(args[0]), args[4])) or run(*args)
     try:
         got = graphed.generate(prompts, params, use_tqdm=False)
         assert calls and max(calls) == (3, "greedy")  # three rows, padded to a batch of 4

@@ -111,11 +111,11 @@ class MTPSteps:
         outputs = graphs.run(
             [plan.state.slot for plan in plans],
             [plan.row.block_ids for plan in plans],
+            num_drafts,
+            depth,
             family,
             params,
             [plan.state.seed for plan in plans],
-            num_drafts,
-            depth,
         )
         sampling_rows = resolved_sampling_rows(plans, num_drafts)
         candidates, emitted = outputs[0], outputs[1]

@@ -277,23 +277,21 @@ class ResolvedStepGraphs:
         self,
         slot_ids: list[int],
         block_tables: list[list[int]],
+        num_drafts: int,
+        depth: int,
         family: str = "greedy",
         params: list[SamplingParams] | None = None,
         seeds: list[int] | None = None,
-        num_drafts: int | None = None,
-        depth: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The resolved step of these rows (their slots and block tables, and for a sampled
         ``family`` their sampling ``params`` and key ``seeds``), each verifying
-        ``num_drafts`` drafts and drafting ``depth`` (both default to k; a pair of
-        ``shapes``): candidates [rows * (num_drafts + 1)] and emitted counts [rows], then
-        for a sampled family the four logprobs tensors of every candidate; views of static
-        buffers valid until the next replay (copies queued behind the replay read them in
-        time). The host never waits here."""
+        ``num_drafts`` drafts and drafting ``depth`` (a pair of ``shapes``): candidates
+        [rows * (num_drafts + 1)] and emitted counts [rows], then for a sampled family the
+        four logprobs tensors of every candidate; views of static buffers valid until the
+        next replay (copies queued behind the replay read them in time). The host never
+        waits here."""
         rows = len(slot_ids)
         size = self.padded_size(rows)
-        num_drafts = self.slots.num_drafts if num_drafts is None else num_drafts
-        depth = self.slots.num_drafts if depth is None else depth
         if size is None:
             raise ValueError(f"{rows} rows: more than the largest step graph")
         if (num_drafts, depth) not in self.shapes[size]:

@@ -79,15 +79,14 @@ def launch_uniform_step(
     runner: ModelRunner,
     slots: RequestSlots,
     plans: list[RowPlan],
-    num_drafts: int | None = None,
-    depth: int | None = None,
+    num_drafts: int,
+    depth: int,
 ) -> tuple[StepSample, list[SamplingRow]]:
-    """Queue the uniform step of ``plans`` (offsets ``b * (k + 1)``), each row verifying
-    the first ``num_drafts`` of its slot's drafts and the head drafting ``depth`` for the
-    next step (both default to the slots' k); returns its sample (candidates, emitted
-    counts and logprobs on the device) and sampling rows."""
-    k = slots.num_drafts if num_drafts is None else num_drafts
-    depth = slots.num_drafts if depth is None else depth
+    """Queue the uniform step of ``plans`` (offsets ``b * (num_drafts + 1)``), each row
+    verifying the first ``num_drafts`` of its slot's drafts and the head drafting ``depth``
+    for the next step; returns its sample (candidates, emitted counts and logprobs on the
+    device) and sampling rows."""
+    k = num_drafts
     query_len = k + 1
     device, block_size = runner.device, runner.block_size
     slot_ids = to_device([plan.state.slot for plan in plans], torch.long, device)
