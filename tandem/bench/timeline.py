@@ -29,20 +29,32 @@ DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 
 
-def _frames(events: list[dict]) -> tuple[list[dict], list[float], dict]:
-    """The ``python_function`` events sorted by start, their starts, and id -> event."""
-    python = sorted(
-        (e for e in events if e.get("cat") == "python_function" and "dur" in e),
-        key=lambda e: e["ts"],
-    )
-    by_id = {e["args"]["Python id"]: e for e in python if "Python id" in e.get("args", {})}
-    return python, [e["ts"] for e in python], by_id
+def thread_frames(events: list[dict]) -> tuple[dict, dict]:
+    """Per thread (``tid``) its ``python_function`` events sorted by start with their starts,
+    and id -> event. Stacks are read within one thread: another thread's frames (a server's
+    or a library's, running meanwhile) start between the request's own."""
+    by_thread: dict = defaultdict(list)
+    for event in events:
+        if event.get("cat") == "python_function" and "dur" in event:
+            by_thread[event.get("tid")].append(event)
+    threads = {}
+    for tid, frames in by_thread.items():
+        frames.sort(key=lambda e: e["ts"])
+        threads[tid] = (frames, [e["ts"] for e in frames])
+    by_id = {
+        e["args"]["Python id"]: e
+        for frames, _ in threads.values()
+        for e in frames
+        if "Python id" in e.get("args", {})
+    }
+    return threads, by_id
 
 
 def stack_at(time_us: float, python: list[dict], starts: list[float], by_id: dict) -> list[str]:
-    """The Python frames running at ``time_us``, outermost first: the innermost is an
-    ancestor of the frame that started last before it (frames nest), reached through the
-    events' parent ids."""
+    """The Python frames of one thread (``python``: its frames sorted by start, ``starts``
+    their starts; from ``thread_frames``) running at ``time_us``, outermost first: the
+    innermost is an ancestor of the frame that started last before it (frames nest), reached
+    through the events' parent ids."""
     index = bisect.bisect_right(starts, time_us) - 1
     if index < 0:
         return []
@@ -67,14 +79,22 @@ def read_timeline(trace: dict, bound: float = 8.0, package: str = "tandem/", top
     ``package`` frame that launched the op ending them and by the one running during them,
     and the ``top`` longest gaps with both stacks."""
     events = trace["traceEvents"]
-    python, starts, by_id = _frames(events)
+    threads, by_id = thread_frames(events)
     device = sorted(
         (e for e in events if e.get("cat") in DEVICE_CATEGORIES and e.get("dur", 0) > 0),
         key=lambda e: e["ts"],
     )
     calls = [e for e in events if e.get("cat") in LAUNCH_CATEGORIES]
     launches = {e["args"]["correlation"]: e for e in calls if "correlation" in e.get("args", {})}
-    requests = [e for e in python if e["name"].endswith(": generate") and package in e["name"]]
+    requests = sorted(
+        (
+            e
+            for frames, _ in threads.values()
+            for e in frames
+            if e["name"].endswith(": generate") and package in e["name"]
+        ),
+        key=lambda e: e["ts"],
+    )
     device_starts = [e["ts"] for e in device]
     per_request, gaps = [], []
     for request in requests:
@@ -93,10 +113,12 @@ def read_timeline(trace: dict, bound: float = 8.0, package: str = "tandem/", top
             if end > reached or last_name is None:
                 reached, last_name = max(reached, end), op["name"]
         first, last = ops[0]["ts"], reached
+        own = threads[request.get("tid")]
         for start, op, before in request_gaps:
             launch = launches.get(op.get("args", {}).get("correlation"))
-            during = stack_at((start + op["ts"]) / 2, python, starts, by_id)
-            launched = stack_at(launch["ts"], python, starts, by_id) if launch else []
+            during = stack_at((start + op["ts"]) / 2, *own, by_id)
+            launcher = threads.get(launch.get("tid"), own) if launch else own
+            launched = stack_at(launch["ts"], *launcher, by_id) if launch else []
             gaps.append(
                 {
                     "request": len(per_request),

@@ -8,17 +8,19 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tandem.bench.timeline import read_timeline, stack_at
+from tandem.bench.timeline import read_timeline, stack_at, thread_frames
 
 
-def _frame(pid: int, parent: int | None, name: str, ts: float, dur: float) -> dict:
+def _frame(pid: int, parent: int | None, name: str, ts: float, dur: float, tid: int = 1) -> dict:
     args = {"Python id": pid, "Python parent id": parent}
-    return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur, "args": args}
+    event = {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur}
+    return event | {"tid": tid, "args": args}
 
 
 def _op(cat: str, name: str, ts: float, dur: float, correlation: int) -> dict:
@@ -44,6 +46,9 @@ def _trace() -> dict:
         _frame(5, 4, "numpy/core(1): asarray", 400, 5),
         _frame(6, 1, "tandem/worker/step_graphs.py(240): run", 595, 10),
         _frame(7, None, "tandem/llm.py(153): generate", 2000, 50),
+        # Another thread's frames, started inside the request's gap: not the request's stack.
+        _frame(8, None, "threading.py(1000): run", 320, 900, tid=2),
+        _frame(9, 8, "tandem/server/serve.py(70): poll", 440, 300, tid=2),
     ]
     ops = [
         _op("cuda_runtime", "cudaLaunchKernel", 110, 4, 11),
@@ -59,7 +64,10 @@ def _trace() -> dict:
 
 def test_stack_at_walks_up_from_the_last_started_frame():
     trace = _trace()["traceEvents"]
-    python = sorted((e for e in trace if e["cat"] == "python_function"), key=lambda e: e["ts"])
+    python = sorted(
+        (e for e in trace if e["cat"] == "python_function" and e["tid"] == 1),
+        key=lambda e: e["ts"],
+    )
     starts = [e["ts"] for e in python]
     by_id = {e["args"]["Python id"]: e for e in python}
     # At 450 "asarray" (started 400) has ended: its parents are still running.
@@ -101,21 +109,31 @@ def _generate(x: torch.Tensor) -> torch.Tensor:  # named as the engine's entry p
     return torch.mm(x, x) + 1
 
 
+def _spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(50))
+
+
 def test_the_profilers_own_trace_has_the_fields_read(tmp_path):
-    # On the CPU there are no device ops (no request window), but the stacks must resolve.
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        _generate(torch.ones(32, 32))
+    # On the CPU there are no device ops (no request window), but the stacks must resolve,
+    # with another thread running Python meanwhile (as a test suite's leftover servers do).
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+    spinner.start()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+            _generate(torch.ones(32, 32))
+    finally:
+        stop.set()
+        spinner.join()
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
-    python = sorted(
-        (e for e in trace["traceEvents"] if e.get("cat") == "python_function"),
-        key=lambda e: e["ts"],
+    threads, by_id = thread_frames(trace["traceEvents"])
+    inner = next(
+        e for frames, _ in threads.values() for e in frames if e["name"].endswith(": _generate")
     )
-    inner = next(e for e in python if e["name"].endswith(": _generate"))
-    starts = [e["ts"] for e in python]
-    by_id = {e["args"]["Python id"]: e for e in python}
-    stack = stack_at(inner["ts"] + inner["dur"] / 2, python, starts, by_id)
+    stack = stack_at(inner["ts"] + inner["dur"] / 2, *threads[inner["tid"]], by_id)
     assert any(frame.endswith(": _generate") for frame in stack)
     assert read_timeline(trace, package="test_timeline")["requests"] == []
 
