@@ -20,10 +20,12 @@ def print_run(run: dict) -> None:
     repeats = f", the median of {timed}" if timed > 1 else ""
     if run.get("proposer") == "oracle":
         mode += f" oracle {run['oracle_corruption']:.2f}"
+    decode = run.get("decode_tokens_per_s")
+    decode = "" if decode is None else f"; after the first tokens {decode:.1f} tok/s"
     line = (
         f"{mode:>11} batch {run['batch_size']:>4} ({kind}): "
         f"{run['tokens_per_s']:9.1f} tok/s "
-        f"({run['output_tokens']} tokens in {run['seconds']:.3f} s{repeats}), GPU idle "
+        f"({run['output_tokens']} tokens in {run['seconds']:.3f} s{repeats}{decode}), GPU idle "
         + ("n/a" if idle is None else f"{idle:.1%}")
     )
     if run.get("gpu_idle_by_gap"):

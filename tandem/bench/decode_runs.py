@@ -171,6 +171,26 @@ def _snapshot(llm: Any) -> dict:
     }
 
 
+def _decode_only(
+    llm: Any, prompts: list[dict], params: Any, seconds: float, tokens: int, repeats: int
+) -> dict:
+    """The decode alone, as TPOT counts it: the same prompts generated ``repeats`` times for
+    one token each (their prefill and first token; the median is ``first_token_seconds``),
+    and the tokens after each request's first over the seconds past that
+    (``decode_tokens_per_s``). Both modes pay the same prefill, which the whole generate's
+    tok/s counts in."""
+    if params.max_tokens is None or params.max_tokens < 2:
+        return {}
+    first_token = dataclasses.replace(params, max_tokens=1)
+    each = [timed_generate(llm, prompts, first_token)[0] for _ in range(repeats)]
+    first_seconds = statistics.median(each)
+    return {
+        "first_token_seconds": first_seconds,
+        "first_token_seconds_each": each,
+        "decode_tokens_per_s": (tokens - len(prompts)) / max(seconds - first_seconds, 1e-9),
+    }
+
+
 def fixed_run(
     llm: Any,
     batch_size: int,
@@ -184,7 +204,8 @@ def fixed_run(
     ``repeats`` times: ``seconds`` is the median (each in ``seconds_each``), the counts and
     acceptance are the first generate's; ``k`` is the number of drafts when the engine
     speculates (None: it does not); with ``recordings`` the outputs are checked against
-    them (``recording_match``, over every repeat)."""
+    them (``recording_match``, over every repeat). ``decode_tokens_per_s`` leaves out the
+    prefill and first tokens (``_decode_only``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompts = mtbench_prompts(llm, batch_size)
@@ -197,6 +218,7 @@ def fixed_run(
     seconds = statistics.median(seconds_each)
     run: dict = {
         "kind": "fixed",
+        **_decode_only(llm, prompts, params, seconds, tokens, repeats),
         "batch_size": batch_size,
         "max_tokens": params.max_tokens,
         "output_tokens": tokens,

@@ -102,7 +102,13 @@ def test_fixed_rows_report_the_median_of_their_repeats(tmp_path, capsys, tokeniz
         assert run["tokens_per_s"] == run["output_tokens"] / run["seconds"]
         # Counts are one generate's, not the repeats' sum.
         assert run["output_tokens"] == run["batch_size"] * 4
-    assert "the median of 3" in capsys.readouterr().out
+        # The decode alone: the tokens after each first one, past the first tokens' median.
+        assert len(run["first_token_seconds_each"]) == 3
+        assert run["first_token_seconds"] == statistics.median(run["first_token_seconds_each"])
+        decode_seconds = run["seconds"] - run["first_token_seconds"]
+        assert run["decode_tokens_per_s"] == pytest.approx(run["batch_size"] * 3 / decode_seconds)
+    out = capsys.readouterr().out
+    assert "the median of 3" in out and "after the first tokens" in out
     with pytest.raises(ValueError, match="fixed_repeats must be >= 1"):
         _cpu_bench(tmp_path, [2], "overlap", fixed_repeats=0)
 
