@@ -352,7 +352,8 @@ def add_cli_arguments(parser) -> None:
         type=int,
         default=1,
         help="each batch size above 1 times its generate this many times and reports the "
-        "median (each run's seconds in seconds_each)",
+        "median (each run's seconds in seconds_each), and as many one-token generates "
+        "(first_token_seconds: the decode after them is decode_tokens_per_s)",
     )
     parser.add_argument(
         "--oracle-corruption",
