@@ -21,7 +21,7 @@ from typing import Any
 from tandem.bench.datasets import BenchRequest, load_mtbench, load_sharegpt
 from tandem.bench.device_profile import profile_generate
 from tandem.bench.spec import acceptance
-from tandem.bench.timing import fixed_and_per_step, timed_generate
+from tandem.bench.timing import decode_after_first_tokens, fixed_and_per_step, timed_generate
 
 _CONTEXT_MARGIN = 8  # tokens kept free at the context's end (tokenization drift, drafts)
 
@@ -171,26 +171,6 @@ def _snapshot(llm: Any) -> dict:
     }
 
 
-def _decode_only(
-    llm: Any, prompts: list[dict], params: Any, seconds: float, tokens: int, repeats: int
-) -> dict:
-    """The decode alone, as TPOT counts it: the same prompts generated ``repeats`` times for
-    one token each (their prefill and first token; the median is ``first_token_seconds``),
-    and the tokens after each request's first over the seconds past that
-    (``decode_tokens_per_s``). Both modes pay the same prefill, which the whole generate's
-    tok/s counts in."""
-    if params.max_tokens is None or params.max_tokens < 2:
-        return {}
-    first_token = dataclasses.replace(params, max_tokens=1)
-    each = [timed_generate(llm, prompts, first_token)[0] for _ in range(repeats)]
-    first_seconds = statistics.median(each)
-    return {
-        "first_token_seconds": first_seconds,
-        "first_token_seconds_each": each,
-        "decode_tokens_per_s": (tokens - len(prompts)) / max(seconds - first_seconds, 1e-9),
-    }
-
-
 def fixed_run(
     llm: Any,
     batch_size: int,
@@ -205,7 +185,7 @@ def fixed_run(
     acceptance are the first generate's; ``k`` is the number of drafts when the engine
     speculates (None: it does not); with ``recordings`` the outputs are checked against
     them (``recording_match``, over every repeat). ``decode_tokens_per_s`` leaves out the
-    prefill and first tokens (``_decode_only``)."""
+    prefill and first tokens (``decode_after_first_tokens``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompts = mtbench_prompts(llm, batch_size)
@@ -218,7 +198,7 @@ def fixed_run(
     seconds = statistics.median(seconds_each)
     run: dict = {
         "kind": "fixed",
-        **_decode_only(llm, prompts, params, seconds, tokens, repeats),
+        **decode_after_first_tokens(llm, prompts, params, seconds, tokens, repeats),
         "batch_size": batch_size,
         "max_tokens": params.max_tokens,
         "output_tokens": tokens,

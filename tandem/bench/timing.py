@@ -3,6 +3,8 @@ split timed questions into a fixed part and a part per step."""
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 
 
@@ -55,4 +57,24 @@ def fixed_and_per_step(per_question: list[dict]) -> dict | None:
         "fixed_ms": 1e3 * (mean_seconds - slope * mean_steps),
         "per_step_ms": 1e3 * slope,
         "questions": len(points),
+    }
+
+
+def decode_after_first_tokens(
+    llm, prompts: list[dict], params, seconds: float, tokens: int, repeats: int
+) -> dict:
+    """The decode alone, as TPOT counts it: the same prompts generated ``repeats`` times for
+    one token each (their prefill and first token; the median is ``first_token_seconds``),
+    and the tokens after each request's first over the seconds past that
+    (``decode_tokens_per_s``). Both modes pay the same prefill, which the whole generate's
+    tok/s counts in."""
+    if params.max_tokens is None or params.max_tokens < 2:
+        return {}
+    first_token = dataclasses.replace(params, max_tokens=1)
+    each = [timed_generate(llm, prompts, first_token)[0] for _ in range(repeats)]
+    first_seconds = statistics.median(each)
+    return {
+        "first_token_seconds": first_seconds,
+        "first_token_seconds_each": each,
+        "decode_tokens_per_s": (tokens - len(prompts)) / max(seconds - first_seconds, 1e-9),
     }
