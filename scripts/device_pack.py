@@ -1,7 +1,9 @@
 """Packs what a bare GPU machine needs into three ignored folders, ``.gpu1`` to ``.gpu3``,
 each small enough for one device call (64 MiB a call): the default model's GGUF in three
 parts, the server packages' wheels for the device's Python (gguf, pyzmq), MT-Bench's
-questions, and a compact ShareGPT file in two parts.
+questions, a compact ShareGPT file in two parts, and the default model's tokenizer alone (its
+GGUF's metadata, no tensors: ``tokenizer/``), so that the first call can already run the
+dummy models, which borrow that tokenizer.
 
 The compact ShareGPT file keeps the record indices of the real one: its first ``--head``
 records whole (the steady-state and throughput benchmarks read from the start), then an
@@ -50,6 +52,39 @@ def split(path: str, name: str, folders: tuple[str, ...]) -> None:
         f.write(f"{len(folders)}\n")
 
 
+def tokenizer_only(source: str, out: str) -> None:
+    """A GGUF holding ``source``'s metadata (its architecture, hyperparameters and
+    tokenizer) and no tensors: what a dummy model's borrowed tokenizer is read from."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+
+    def text(field, index: int) -> str:
+        return bytes(field.parts[index]).decode("utf-8", "surrogateescape")
+
+    architecture = reader.fields["general.architecture"]
+    writer = gguf.GGUFWriter(out, text(architecture, architecture.data[0]))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the file's own header, and the key the writer adds
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            item = field.types[1]
+            if item == gguf.GGUFValueType.STRING:
+                value = [text(field, i) for i in field.data]
+            else:
+                value = [field.parts[i].tolist()[0] for i in field.data]
+            writer.add_key_value(name, value, kind, sub_type=item)
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_key_value(name, text(field, field.data[0]), kind)
+        else:
+            writer.add_key_value(name, field.parts[field.data[0]].tolist()[0], kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def compact_sharegpt(source: str, out: str, head: int, held_out_from: int, held_out: int) -> int:
     """Writes the compact ShareGPT list (see the module docstring); returns its records."""
     count = 0
@@ -78,6 +113,8 @@ def main() -> None:
         os.makedirs(folder)
     model = os.path.join(package_dir(DEFAULT_MODEL_PACKAGE), DEFAULT_MODEL_FILE)
     split(model, DEFAULT_MODEL_FILE, FOLDERS)
+    os.makedirs(os.path.join(FOLDERS[0], "tokenizer"))
+    tokenizer_only(model, os.path.join(FOLDERS[0], "tokenizer", DEFAULT_MODEL_FILE))
     compact = os.path.join(FOLDERS[0], "sharegpt.json")
     records = compact_sharegpt(
         sharegpt_path(), compact, args.head, args.held_out_from, args.held_out

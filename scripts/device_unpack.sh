@@ -3,7 +3,9 @@
 # call) under /tmp/stage, which lasts while the machine stays warm; once a file's parts are
 # all there it is joined, the wheels installed (once), and MODEL, SHAREGPT_JSON and
 # MTBENCH_JSONL exported for scripts/gpu_bench.sh and scripts/gpu_head_study.sh
-# (DEVICE_STAGE: another place than /tmp/stage).
+# (DEVICE_STAGE: another place than /tmp/stage); TOKENIZER_GGUF, from the first call on, is
+# the default model's tokenizer alone (what the dummy models borrow: `model=$TOKENIZER_GGUF;
+# source scripts/device_shims.sh` before the model's parts are all there).
 stage=${DEVICE_STAGE:-/tmp/stage}
 mkdir -p "$stage"
 for folder in .gpu1 .gpu2 .gpu3; do
@@ -23,4 +25,6 @@ fi
 model_parts=$(ls "$stage"/*.gguf.parts 2>/dev/null | head -n 1)
 export MODEL=${model_parts%.parts} SHAREGPT_JSON=$stage/sharegpt.json
 export MTBENCH_JSONL=$stage/question.jsonl
+tokenizer=$(ls "$stage"/tokenizer/*.gguf 2>/dev/null | head -n 1)
+export TOKENIZER_GGUF=$tokenizer
 ls "$MODEL" "$SHAREGPT_JSON" 2>/dev/null || echo "not all parts staged yet"

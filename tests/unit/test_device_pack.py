@@ -66,3 +66,22 @@ def test_parts_carried_one_call_each_are_joined_when_all_are_there(tmp_path):
     assert (stage / MODEL).read_bytes() == model
     assert (stage / "sharegpt.json").read_bytes() == data
     assert done.stdout.strip().endswith(str(stage / MODEL))
+
+
+def test_the_tokenizer_alone_tokenizes_as_the_model_does(tmp_path):
+    """The first call's tokenizer-only GGUF (no tensors) gives the default model's ids, end
+    tokens and chat template."""
+    from tandem.models.loader import resolve_model
+    from tandem.tokenizer import Tokenizer
+
+    pack = _pack_module()
+    model = resolve_model(None)
+    out = tmp_path / MODEL
+    pack.tokenizer_only(model, str(out))
+    assert out.stat().st_size < os.path.getsize(model) / 20
+    alone, whole = Tokenizer.from_model_path(str(out)), Tokenizer.from_model_path(model)
+    text = "Hello, world! <|im_start|>user\nWhat is 2+2?<|im_end|> ünïcödé 🙂"
+    assert alone.encode(text) == whole.encode(text)
+    assert alone.end_token_ids == whole.end_token_ids and alone.eos_token_id == whole.eos_token_id
+    chat = [{"role": "user", "content": "hi"}]
+    assert alone.apply_chat_template(chat) == whole.apply_chat_template(chat)
