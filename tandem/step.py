@@ -29,6 +29,7 @@ class ScheduledRequest:
     # samples (a follow-up row's true start is known to the runner only).
     start: int = 0
     samples: bool = True
+    follow_up: bool = False  # made while a step of the request that samples is in flight
     reset_token_ids: list[int] | None = None
     reset_num_computed: int = 0
 

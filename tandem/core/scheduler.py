@@ -230,6 +230,7 @@ class Scheduler(RequestTable):
         request.num_in_flight += 1
         if follow_up:
             request.in_flight_end += num_new  # an upper bound: fewer drafts may run
+            row.follow_up = True
             return row
         end = request.num_computed_tokens + num_new
         request.in_flight_end = end

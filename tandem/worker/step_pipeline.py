@@ -11,14 +11,13 @@ the last launched step at the end of a run. The host waits for the device only i
 Plain decoding always launches ahead: a decode row's input token is the unread step's
 sample, filled in on the device. With an MTP head a step has up to four parts: the rows
 the device can resolve (``spec_decode/mtp_steps.py``: a row verifies k drafts from its
-request's device slot) are launched ahead as one resolved step that drafts at launch, and
-the prompts of requests joining the batch (nothing in flight is theirs) as a ragged step
-that drafts at launch too (it verifies no drafts; their next rows can then go ahead as
-well); after the step in front is read, the rows it made resolvable
-go as a second resolved step, and the others (a later prompt chunk, a near-the-end row) as
-a ragged step. The parts are read with one wait. Each part reads the model's weights once:
-for a model over ``SPLIT_STEP_MAX_WEIGHT_BYTES`` a step that cannot launch whole ahead goes
-as one part after the read.
+request's device slot) go ahead as one resolved step that drafts at launch, and prompt
+chunks (new prompts, or later chunks of prompts that emitted nothing yet) as a ragged step
+that drafts at launch too (their next rows can then go ahead as well); after the step in
+front is read, the rows it made resolvable go as a second resolved step, the others (a
+sampled or near-the-end row) as a ragged step. The parts are read with one wait. Each part
+reads the weights once: for a model over ``SPLIT_STEP_MAX_WEIGHT_BYTES`` a step goes whole,
+ahead if all its rows can go alike, else after the read.
 """
 
 from __future__ import annotations
@@ -74,8 +73,7 @@ class StepPipeline:
         # The host's time in launch (preparing, queueing steps); of it, in MTP ragged parts.
         self.launch_seconds = self.ragged_launch_seconds = 0.0
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
-        # MTP steps resolved on the device, and those queued before the step in front of them
-        # was read (the rest read first: a prefill joined, a row near the length limit, ...).
+        # MTP steps resolved on the device, and those queued before the read of the one in front.
         self.num_resolved_steps = self.num_launched_ahead = 0
         self.num_prompts_ahead = 0  # steps whose joining prompts went before the read
         self.num_parts_after_read = 0  # MTP steps with a part that waited for the read
@@ -113,17 +111,17 @@ class StepPipeline:
         self, step: SchedulerOutput, previous: LaunchedStep | None
     ) -> ModelRunnerOutput | None:
         """``step_ahead`` with an MTP head: the rows the device can resolve from their slots
-        are launched as one resolved step before ``previous`` is read, and the prompts of
-        requests joining the batch as a ragged one; after that read, the rows it made
-        resolvable are launched as a second resolved step, and the rest (later prompt
-        chunks, sampled or near-the-end rows) as a ragged one. The parts are chained on the
+        go before ``previous`` is read as one resolved step, prompt chunks (``_joins``) as
+        a ragged one; after the read, the rows it made resolvable go as a second resolved
+        step, the rest (sampled or near-the-end rows) as a ragged one, all chained on the
         first (``LaunchedStep.rest``) and read together. Without ``split_steps`` a step
-        launches whole: ahead if every row is resolvable, else after the read as one part."""
+        goes whole: ahead if all its rows can go alike, else after the read."""
         resolvable = self.mtp.row_resolvable
         ready = [row for row in step.scheduled if resolvable(row, previous is not None)]
-        joining = [row for row in step.scheduled if self._joins(row)] if self.split_steps else []
-        if not self.split_steps and len(ready) < len(step.scheduled):
-            ready = []
+        joining = [row for row in step.scheduled if self._joins(row)]
+        if not self.split_steps:  # one part: ahead only if all its rows can go ahead alike
+            ready = ready if len(ready) == len(step.scheduled) else []
+            joining = joining if len(joining) == len(step.scheduled) else []
         finished = step.finished_request_ids  # dropped by the first part launched
         parts: list[LaunchedStep | None] = []
         if joining and previous is not None:
@@ -139,8 +137,7 @@ class StepPipeline:
         taken = {id(row) for row in ready + joining}
         later = [row for row in step.scheduled if id(row) not in taken]
         self.num_parts_after_read += previous is not None and bool(later)
-        resolved_now: list = []
-        ragged: list = []
+        resolved_now, ragged = [], []
         for row in later:
             (resolved_now if resolvable(row, False) else ragged).append(row)
         if not self.split_steps and ragged:
@@ -158,13 +155,17 @@ class StepPipeline:
         return output
 
     def _joins(self, row) -> bool:
-        """Whether ``row`` admits a request this worker holds no state of (no step in flight
-        is its) and reads no output (a bias, a grammar): it can go before the read."""
-        return (
-            row.reset_token_ids is not None
-            and row.request.request_id not in self.batch.states
-            and not row.request.sampling_params.reads_output
-        )
+        """Whether ``row`` is a prompt chunk that can go before the read: it admits a request
+        this worker holds no state of, or it goes on with a prompt while no step of it that
+        samples is in flight (launches move a chunk's start on) and reports no prompt
+        logprobs (their start moves at the read); it reads no output (a bias, a grammar)."""
+        request, state = row.request, self.batch.states.get(row.request.request_id)
+        if request.sampling_params.reads_output:
+            return False
+        if row.reset_token_ids is not None or state is None:
+            return row.reset_token_ids is not None and state is None
+        in_prompt = row.end <= state.num_prompt_tokens and row.start == state.num_computed
+        return in_prompt and not row.follow_up and not request.wants_prompt_logprobs
 
     @on_runner_device
     @torch.inference_mode()
@@ -270,8 +271,7 @@ class StepPipeline:
         )
         if self.mtp is not None and not any(plan.num_drafts for plan in inputs.plans):
             self.mtp.draft_at_launch(launched)  # no row verifies drafts: all rows are known
-        if launched.advanced:
-            self._advance(launched)
+        self._advance(launched)
         return launched
 
     def _launch_resolved(self, step: SchedulerOutput, begun) -> LaunchedStep:
@@ -296,12 +296,15 @@ class StepPipeline:
         )
 
     def _advance(self, launched: LaunchedStep) -> None:
-        """Plain decoding emits exactly one token per sampling row, so the request states
-        move on at launch: the next step can be prepared before this one is read."""
+        """Move the request states on at launch, so that the next step can be prepared before
+        this one is read: a row that emits nothing (a prompt chunk short of the prompt's
+        end) always; with plain decoding (exactly one token per sampling row) every row."""
         sampled = {id(plan) for plan in launched.sampling_plans}
         for plan in launched.inputs.plans:
             if id(plan) not in sampled:
                 plan.state.num_computed += plan.num_known
+        if not launched.advanced:
+            return
         for plan, row in zip(launched.sampling_plans, launched.sampling_rows, strict=True):
             state = plan.state
             state.num_computed = len(state.token_ids)
@@ -326,10 +329,6 @@ class StepPipeline:
         emitted = self._emit(launched, host, output)
         if launched.prompt_logprobs is not None:
             self._report_prompt_logprobs(launched.inputs, host[-4:], output)
-        if not launched.advanced:
-            for plan in launched.inputs.plans:
-                if plan.request_id not in emitted:
-                    plan.state.num_computed += plan.num_known
         if self.mtp is not None:
             self.mtp.after_read(launched, emitted, output)
 

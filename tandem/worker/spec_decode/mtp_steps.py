@@ -134,8 +134,9 @@ class MTPSteps:
         drafts, or (a ragged part that verified drafts) draft now."""
         if launched.resolved:
             self.after_resolved_read(launched.inputs.plans, output)
-        elif launched.drafted is not None:
-            self.after_drafted_read(launched.inputs.plans, launched.drafted, output)
+        elif launched.drafted is not None:  # its emitting rows (a later chunk may be launched)
+            emitting = [plan for plan in launched.inputs.plans if plan.request_id in emitted]
+            self.after_drafted_read(emitting, launched.drafted, output)
         else:
             self.draft_after_read(launched.inputs, launched.hidden, emitted, output)
 

@@ -1,0 +1,94 @@
+"""MTP with overlap: a prompt's later chunks launch before the read of the step in front
+(their start moved on when the chunk before them was launched), also for a model whose steps
+go whole (``split_steps`` off: a step made only of prompt chunks goes ahead as one part; one
+with decode rows beside a chunk still goes after the read).
+Greedy outputs and logprobs are the plain engine's; no block leaks (``make_llm``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import SamplingParams
+from tandem.bench.datasets import load_mtbench
+
+K = 3
+BUDGET = 64  # tokens a step: every prompt comes in several chunks
+
+
+@pytest.fixture(scope="module")
+def prompts(llm_cache):
+    from tandem import LLM
+
+    if () not in llm_cache:
+        llm_cache[()] = LLM()
+    tokenizer = llm_cache[()].tokenizer
+    questions = [q["turns"][0] for q in load_mtbench()[2::9]][:6]
+    return [
+        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
+        for q in questions
+    ]
+
+
+def _is_later_chunk(row) -> bool:
+    """A prompt chunk after the first (a follow-up row's start is stale: not one)."""
+    prompt_end = row.request.num_prompt_tokens
+    fresh = row.reset_token_ids is None and not row.follow_up
+    return fresh and 0 < row.start and row.end <= prompt_end
+
+
+@pytest.mark.parametrize("split_steps", [True, False], ids=["in-parts", "whole"])
+def test_later_prompt_chunks_launch_before_the_read(make_llm, prompts, split_steps):
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
+    # A step that goes whole goes ahead only if all its rows do: one request at a time there
+    # (no decode rows beside a chunk). An engine per case: no prefix hits across them.
+    max_num_seqs = 4 if split_steps else 1
+    llm = make_llm(
+        speculative="mtp",
+        num_speculative_tokens=K,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=max_num_seqs,
+        seed=1 if split_steps else 2,
+    )
+    pipeline = llm.engine.pipeline
+    step_ahead, read, launch = pipeline.step_ahead, pipeline.read, pipeline._timed_launch
+    call = {"unread": False, "read": False}
+    ahead_chunks, later_chunks = [], []
+
+    def counting_step_ahead(step):
+        call.update(unread=pipeline._launched is not None, read=False)
+        return step_ahead(step)
+
+    def counting_read(launched):
+        call["read"] = True
+        return read(launched)
+
+    def counting_launch(step, resolvable=None):
+        chunks = [(r.request.request_id, r.start) for r in step.scheduled if _is_later_chunk(r)]
+        later_chunks.extend(chunks)
+        if call["unread"] and not call["read"]:
+            ahead_chunks.extend(chunks)
+        return launch(step, resolvable)
+
+    saved_split = pipeline.split_steps
+    pipeline.split_steps = split_steps
+    pipeline.step_ahead, pipeline.read = counting_step_ahead, counting_read
+    pipeline._timed_launch = counting_launch
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        pipeline.split_steps = saved_split
+        del pipeline.step_ahead, pipeline.read, pipeline._timed_launch
+    plain = make_llm(max_num_batched_tokens=BUDGET, max_num_seqs=max_num_seqs)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in want]
+    for got, expected in zip(outputs, want, strict=True):
+        for got_entry, want_entry in zip(
+            got.outputs[0].logprobs, expected.outputs[0].logprobs, strict=True
+        ):
+            assert got_entry.keys() == want_entry.keys()
+            for token, entry in want_entry.items():
+                assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
+    # Each later chunk launched once, and before the read of the step in front (several:
+    # the prompts' shared chat-template start is a prefix hit, so short ones fit one chunk).
+    assert len(set(later_chunks)) == len(later_chunks) >= 4
+    assert ahead_chunks == later_chunks
