@@ -55,6 +55,23 @@ def test_long_prompt_is_chunked_and_samples_only_on_final_chunk():
     assert request.num_computed_tokens == 25
 
 
+def test_rows_made_while_a_sampling_step_is_in_flight_are_follow_ups():
+    """Overlap scheduling: the next chunk of a prompt whose chunk in flight samples nothing
+    is an ordinary row (its start is certain); a row made while a step of its request that
+    samples is in flight is a follow-up (its start is the runner's to know)."""
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add_request(make_request("long", 12, max_tokens=4))
+    first = sched.schedule()  # chunk 0-8: samples nothing
+    second = sched.schedule()  # chunk 8-12, scheduled before the first is read: samples
+    third = sched.schedule()  # the decode row after it, still unread
+    rows = [out.scheduled[0] for out in (first, second, third)]
+    assert [(row.start, row.num_new_tokens, row.samples) for row in rows[:2]] == [
+        (0, 8, False),
+        (8, 4, True),
+    ]
+    assert [row.follow_up for row in rows] == [False, False, True]
+
+
 def test_decode_rows_schedule_one_token_each():
     sched = make_scheduler()
     for rid in "abc":
