@@ -117,8 +117,9 @@ def read_timeline(trace: dict, bound: float = 8.0, package: str = "tandem/", top
         for start, op, before in request_gaps:
             launch = launches.get(op.get("args", {}).get("correlation"))
             during = stack_at((start + op["ts"]) / 2, *own, by_id)
-            launcher = threads.get(launch.get("tid"), own) if launch else own
-            launched = stack_at(launch["ts"], *launcher, by_id) if launch else []
+            launched = []
+            if launch:  # its stack in the thread that made the call
+                launched = stack_at(launch["ts"], *threads.get(launch.get("tid"), own), by_id)
             gaps.append(
                 {
                     "request": len(per_request),

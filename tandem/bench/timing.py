@@ -73,8 +73,11 @@ def decode_after_first_tokens(
     first_token = dataclasses.replace(params, max_tokens=1)
     each = [timed_generate(llm, prompts, first_token)[0] for _ in range(repeats)]
     first_seconds = statistics.median(each)
+    decode_seconds = seconds - first_seconds  # None below: noise outran the decode
     return {
         "first_token_seconds": first_seconds,
         "first_token_seconds_each": each,
-        "decode_tokens_per_s": (tokens - len(prompts)) / max(seconds - first_seconds, 1e-9),
+        "decode_tokens_per_s": (tokens - len(prompts)) / decode_seconds
+        if decode_seconds > 0
+        else None,
     }

@@ -75,7 +75,7 @@ class StepPipeline:
         self._launched: LaunchedStep | None = None  # overlap: the step queued, not yet read
         # MTP steps resolved on the device, and those queued before the read of the one in front.
         self.num_resolved_steps = self.num_launched_ahead = 0
-        self.num_prompts_ahead = 0  # steps whose joining prompts went before the read
+        self.num_prompts_ahead = 0  # steps whose prompt chunks went before the read
         self.num_parts_after_read = 0  # MTP steps with a part that waited for the read
         self.num_read_first = 0  # plain decoding: steps launched after the read (penalties)
 

@@ -134,7 +134,7 @@ class MTPSteps:
         drafts, or (a ragged part that verified drafts) draft now."""
         if launched.resolved:
             self.after_resolved_read(launched.inputs.plans, output)
-        elif launched.drafted is not None:  # its emitting rows (a later chunk may be launched)
+        elif launched.drafted is not None:  # not a partial chunk's: its later one may be out
             emitting = [plan for plan in launched.inputs.plans if plan.request_id in emitted]
             self.after_drafted_read(emitting, launched.drafted, output)
         else:
