@@ -17,7 +17,8 @@ that drafts at launch too (their next rows can then go ahead as well); after the
 front is read, the rows it made resolvable go as a second resolved step, the others (a
 sampled or near-the-end row) as a ragged step. The parts are read with one wait. Each part
 reads the weights once: for a model over ``SPLIT_STEP_MAX_WEIGHT_BYTES`` a step goes whole,
-ahead if all its rows can go alike, else after the read.
+ahead if each of its rows can go ahead (resolved rows and prompt chunks then share one
+forward, each kind verified or sampled and drafted as when alone), else after the read.
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ import time
 import torch
 
 from tandem.device_copy import DeviceReader, to_device
-from tandem.layers.sampler import LogprobsTensors, compute_logprobs
-from tandem.step import ModelRunnerOutput, SchedulerOutput
+from tandem.step import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tandem.worker import step_results
 from tandem.worker.grammars import RowGrammars
 from tandem.worker.input_batch import PLACEHOLDER, InputBatch, StepInputs
 from tandem.worker.launched_step import LaunchedStep
 from tandem.worker.model_runner import ModelRunner, on_runner_device
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.mtp_steps import MTPSteps
-from tandem.worker.step_sampler import SamplingRow, sample_step
+from tandem.worker.spec_decode.uniform_step import forward_mixed
+from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step
 
 # Splitting an MTP step into parts reads the weights once more per part; below this size
 # that read costs less than the host's wait that launching rows ahead saves (SmolLM2-135M,
@@ -77,6 +79,7 @@ class StepPipeline:
         self.num_resolved_steps = self.num_launched_ahead = 0
         self.num_prompts_ahead = 0  # steps whose prompt chunks went before the read
         self.num_parts_after_read = 0  # MTP steps with a part that waited for the read
+        self.num_mixed_steps = 0  # MTP steps of resolved rows and prompt chunks, one forward
         self.num_read_first = 0  # plain decoding: steps launched after the read (penalties)
 
     @torch.inference_mode()
@@ -115,21 +118,29 @@ class StepPipeline:
         a ragged one; after the read, the rows it made resolvable go as a second resolved
         step, the rest (sampled or near-the-end rows) as a ragged one, all chained on the
         first (``LaunchedStep.rest``) and read together. Without ``split_steps`` a step
-        goes whole: ahead if all its rows can go alike, else after the read."""
+        goes whole: ahead if each of its rows can go ahead (resolved rows and prompt chunks
+        then share one forward: ``_launch_mixed``), else after the read."""
         resolvable = self.mtp.row_resolvable
         ready = [row for row in step.scheduled if resolvable(row, previous is not None)]
-        joining = [row for row in step.scheduled if self._joins(row)]
-        if not self.split_steps:  # one part: ahead only if all its rows can go ahead alike
-            ready = ready if len(ready) == len(step.scheduled) else []
-            joining = joining if len(joining) == len(step.scheduled) else []
+        ready_ids = {id(row) for row in ready}
+        joining = [r for r in step.scheduled if id(r) not in ready_ids and self._joins(r)]
+        mixed = False
+        if not self.split_steps:  # one part: ahead only if every row can go ahead
+            if len(ready) + len(joining) < len(step.scheduled):
+                ready, joining = [], []
+            mixed = bool(ready and joining)
         finished = step.finished_request_ids  # dropped by the first part launched
         parts: list[LaunchedStep | None] = []
         if joining and previous is not None:
             previous.keep_hidden()
-        for rows, resolved in ((ready, True), (joining, False)):
-            if rows:
-                parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))
-                finished = []
+        if mixed:
+            parts.append(self._timed_launch(step, resolved_rows=ready))
+            finished = []
+        else:
+            for rows, resolved in ((ready, True), (joining, False)):
+                if rows:
+                    parts.append(self._timed_launch(SchedulerOutput(rows, finished), resolved))
+                    finished = []
         if previous is not None:
             self.num_launched_ahead += bool(ready)
             self.num_prompts_ahead += bool(joining)
@@ -149,6 +160,8 @@ class StepPipeline:
                 finished = []
         launched = [part for part in parts if part is not None]
         for part, after in itertools.pairwise(launched):
+            while part.rest is not None:  # a mixed step's chunks part
+                part = part.rest
             part.rest = after
             after.output = launched[0].output
         self._launched = launched[0] if launched else None
@@ -175,11 +188,14 @@ class StepPipeline:
         return self.read(previous) if previous is not None else None
 
     def _timed_launch(
-        self, step: SchedulerOutput, resolvable: bool | None = None
+        self,
+        step: SchedulerOutput,
+        resolvable: bool | None = None,
+        resolved_rows: list[ScheduledRequest] | None = None,
     ) -> LaunchedStep | None:
         started = time.perf_counter()
         try:
-            return self.launch(step, resolvable)
+            return self.launch(step, resolvable, resolved_rows)
         finally:
             elapsed = time.perf_counter() - started
             self.launch_seconds += elapsed
@@ -199,24 +215,66 @@ class StepPipeline:
         if self._launched is None:
             self.batch.free_released_slots()
 
-    def launch(self, step: SchedulerOutput, resolvable: bool | None = None) -> LaunchedStep | None:
+    def launch(
+        self,
+        step: SchedulerOutput,
+        resolvable: bool | None = None,
+        resolved_rows: list[ScheduledRequest] | None = None,
+    ) -> LaunchedStep | None:
         """Queue one step's device work (forward, sampling, logprobs) without waiting;
-        ``resolvable``: whether the MTP side can resolve it (asked when None)."""
+        ``resolvable``: whether the MTP side can resolve it (asked when None);
+        ``resolved_rows``: those of its rows the MTP side resolves while the others, prompt
+        chunks, go in the same forward (``_launch_mixed``)."""
         self.batch.drop(step.finished_request_ids)
         if step.is_empty:
             return None
         begun = self.reader.begin()
+        if resolved_rows:
+            return self._launch_mixed(step, resolved_rows, begun)
         if resolvable is None:
             resolvable = self.mtp is not None and self.mtp.resolvable(step, ahead=False)
         if resolvable:
-            return self._launch_resolved(step, begun)
+            return self._resolved_part(*self.mtp.launch_resolved(step), begun)
+        inputs = self._prepare_ragged(step)
+        if not inputs.plans:  # every row past the context's end: nothing to compute
+            return LaunchedStep(inputs, [], [], None, None, None, None, ModelRunnerOutput(), False)
+        hidden, input_ids = self.runner.forward(inputs)
+        return self._finish_ragged(inputs, hidden, input_ids, begun)
+
+    def _prepare_ragged(self, step: SchedulerOutput) -> StepInputs:
         inputs = self.batch.prepare(step)
         if self.mtp is not None:  # their slots are stale until this step drafts for them
             for plan in inputs.plans:
                 plan.state.slot_ready = False
-        if not inputs.plans:  # every row past the context's end: nothing to compute
-            return LaunchedStep(inputs, [], [], None, None, None, None, ModelRunnerOutput(), False)
-        hidden, input_ids = self.runner.forward(inputs)
+        return inputs
+
+    def _launch_mixed(
+        self, step: SchedulerOutput, resolved_rows: list[ScheduledRequest], begun
+    ) -> LaunchedStep:
+        """Queue an MTP step of rows the device resolves and of prompt chunks (its other
+        rows) as one forward, which reads the weights once (``forward_mixed``: the resolved
+        rows' inputs built on the device from their slots, the chunks' on the host); then
+        each kind's verification or sampling and drafting, as when it goes alone. Returns
+        the resolved part with the chunks' part chained on it."""
+        taken = {id(row) for row in resolved_rows}
+        chunks = [row for row in step.scheduled if id(row) not in taken]
+        inputs = self._prepare_ragged(SchedulerOutput(chunks, []))
+        uniform, depth = self.mtp.mixed_inputs(SchedulerOutput(resolved_rows, []))
+        hidden, input_ids = forward_mixed(self.runner, uniform, inputs)
+        split = uniform.num_tokens
+        finished = self.mtp.finish_mixed(uniform, hidden[:split], depth)
+        resolved = self._resolved_part(*finished, begun)
+        ragged = self._finish_ragged(inputs, hidden[split:], input_ids[split:], None)
+        resolved.rest, ragged.output = ragged, resolved.output
+        self.num_mixed_steps += 1
+        return resolved
+
+    def _finish_ragged(
+        self, inputs: StepInputs, hidden: torch.Tensor, input_ids: torch.Tensor, begun
+    ) -> LaunchedStep:
+        """After a ragged step's forward (``hidden``, the fed ``input_ids``): its sampling
+        and verification, prompt logprobs, the copies of its results to the host, drafting
+        at launch where no row verifies drafts, and the states' advance."""
         sampling_plans = [plan for plan in inputs.plans if plan.samples]
         sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []
@@ -256,7 +314,9 @@ class StepPipeline:
                 if sample.logprobs is not None:
                     reads += sample.logprobs.tensors()
             if inputs.prompt_rows:
-                prompt_logprobs = self._prompt_logprobs(inputs, logits[num_sampling:])
+                prompt_logprobs = step_results.prompt_logprobs(
+                    inputs, logits[num_sampling:], self.device
+                )
                 reads += prompt_logprobs.tensors()
         launched = LaunchedStep(
             inputs,
@@ -274,9 +334,10 @@ class StepPipeline:
         self._advance(launched)
         return launched
 
-    def _launch_resolved(self, step: SchedulerOutput, begun) -> LaunchedStep:
-        """Queue an MTP step whose rows the device resolves (``uniform_step``)."""
-        plans, sample, sampling_rows = self.mtp.launch_resolved(step)
+    def _resolved_part(
+        self, plans: list, sample: StepSample, sampling_rows: list[SamplingRow], begun
+    ) -> LaunchedStep:
+        """The launched part of rows the device resolved (``mtp_steps.launch_resolved``)."""
         reads = [sample.candidates, sample.num_emitted]
         if sample.logprobs is not None:
             reads += sample.logprobs.tensors()
@@ -326,74 +387,8 @@ class StepPipeline:
 
     def _apply(self, launched: LaunchedStep, host: list, output: ModelRunnerOutput) -> None:
         """Apply one launched part's read results to the request states and ``output``."""
-        emitted = self._emit(launched, host, output)
+        emitted = step_results.emit(launched, host, output)
         if launched.prompt_logprobs is not None:
-            self._report_prompt_logprobs(launched.inputs, host[-4:], output)
+            step_results.report_prompt_logprobs(launched.inputs, host[-4:], output)
         if self.mtp is not None:
             self.mtp.after_read(launched, emitted, output)
-
-    def _emit(self, launched: LaunchedStep, host: list, output) -> dict[str, list[int]]:
-        """Apply the step's tokens to the request states and the output."""
-        emitted: dict[str, list[int]] = {}
-        sample = launched.sample
-        if sample is None:
-            return emitted
-        candidates, num_emitted = host[0], host[1]
-        logprobs = {}
-        if sample.logprobs is not None:
-            entries = LogprobsTensors.from_host(host[2:6])
-            logprobs = dict(zip(sample.logprob_rows, entries, strict=True))
-        for plan, sampling_row, count in zip(
-            launched.sampling_plans, launched.sampling_rows, num_emitted, strict=True
-        ):
-            first = sampling_row.logits_start
-            tokens = candidates[first : first + count]
-            request_id = plan.request_id
-            emitted[request_id] = output.sampled_token_ids[request_id] = tokens
-            if plan.num_drafts:
-                output.num_verified_drafts[request_id] = plan.num_drafts
-            top_n = sampling_row.params.logprobs
-            if top_n is not None:
-                output.logprobs[request_id] = [
-                    (
-                        token,
-                        logprobs[first + j][0],
-                        logprobs[first + j][1],
-                        logprobs[first + j][2][:top_n],
-                    )
-                    for j, token in enumerate(tokens)
-                ]
-            state = plan.state
-            if launched.advanced:
-                # The placeholder stays where it was unless the request was reset since.
-                if state.token_ids[plan.placeholder : plan.placeholder + 1] == [PLACEHOLDER]:
-                    state.token_ids[plan.placeholder] = tokens[0]
-                if state.pending_token is not None and state.pending_token[0] is sample.candidates:
-                    state.pending_token = None
-                continue
-            state.num_computed = len(state.token_ids) + count - 1
-            state.token_ids.extend(tokens)
-            state.drafts = state.draft_probs = None
-            state.slot_drafts = 0
-        return emitted
-
-    def _prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> LogprobsTensors:
-        targets = [t for _, _, row_targets in inputs.prompt_rows for t in row_targets]
-        num_top = max(
-            plan.row.request.sampling_params.prompt_logprobs for plan, _, _ in inputs.prompt_rows
-        )
-        return compute_logprobs(logits, to_device(targets, torch.long, self.device), num_top)
-
-    def _report_prompt_logprobs(self, inputs: StepInputs, host: list[list], output) -> None:
-        entries = LogprobsTensors.from_host(host)
-        offset = 0
-        for plan, indices, row_targets in inputs.prompt_rows:
-            top_n = plan.row.request.sampling_params.prompt_logprobs
-            output.prompt_logprobs[plan.request_id] = [
-                (target, logprob, rank, top[:top_n])
-                for target, (logprob, rank, top) in zip(
-                    row_targets, entries[offset : offset + len(indices)], strict=True
-                )
-            ]
-            plan.state.num_prompt_logprobs = plan.start + indices[-1] - plan.offset + 1
-            offset += len(indices)

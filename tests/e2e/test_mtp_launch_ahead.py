@@ -134,8 +134,9 @@ def test_decode_rows_launch_ahead_while_prompts_keep_joining(make_llm, prompts):
 
 def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(make_llm, prompts):
     """Models over the size bound (``split_steps`` off) launch each step as one part: ahead
-    if every row is resolvable, else after the read; the outputs stay plain decoding's (the
-    parts of small models: test_decode_rows_launch_ahead_while_prompts_keep_joining)."""
+    if every row is resolvable or a prompt chunk (then in one forward: test_mtp_mixed_steps.py),
+    else after the read; the outputs stay plain decoding's (the parts of small models:
+    test_decode_rows_launch_ahead_while_prompts_keep_joining)."""
     llm = make_llm(speculative="mtp", num_speculative_tokens=K, max_num_seqs=4)
     pipeline = llm.engine.pipeline
     assert pipeline.split_steps  # SmolLM2-135M is far under the bound
@@ -143,9 +144,9 @@ def test_a_step_goes_whole_when_its_parts_would_cost_weight_reads(make_llm, prom
     step_ahead, timed_launch = pipeline.step_ahead, pipeline._timed_launch
     parts_per_step: list[int] = []
 
-    def counting_launch(step, resolvable=None):
+    def counting_launch(step, resolvable=None, resolved_rows=None):
         parts_per_step[-1] += 1
-        return timed_launch(step, resolvable)
+        return timed_launch(step, resolvable, resolved_rows)
 
     def counting_step(step):
         parts_per_step.append(0)

@@ -1,7 +1,7 @@
 """MTP with overlap: a prompt's later chunks launch before the read of the step in front
 (their start moved on when the chunk before them was launched), also for a model whose steps
-go whole (``split_steps`` off: a step made only of prompt chunks goes ahead as one part; one
-with decode rows beside a chunk still goes after the read).
+go whole (``split_steps`` off: a step of prompt chunks, with or without decode rows the
+device resolves beside them, goes ahead as one forward).
 Greedy outputs and logprobs are the plain engine's; no block leaks (``make_llm``)."""
 
 from __future__ import annotations
@@ -39,14 +39,12 @@ def _is_later_chunk(row) -> bool:
 @pytest.mark.parametrize("split_steps", [True, False], ids=["in-parts", "whole"])
 def test_later_prompt_chunks_launch_before_the_read(make_llm, prompts, split_steps):
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True)
-    # A step that goes whole goes ahead only if all its rows do: one request at a time there
-    # (no decode rows beside a chunk). An engine per case: no prefix hits across them.
-    max_num_seqs = 4 if split_steps else 1
+    # An engine per case: no prefix hits across them.
     llm = make_llm(
         speculative="mtp",
         num_speculative_tokens=K,
         max_num_batched_tokens=BUDGET,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=4,
         seed=1 if split_steps else 2,
     )
     pipeline = llm.engine.pipeline
@@ -62,12 +60,12 @@ def test_later_prompt_chunks_launch_before_the_read(make_llm, prompts, split_ste
         call["read"] = True
         return read(launched)
 
-    def counting_launch(step, resolvable=None):
+    def counting_launch(step, resolvable=None, resolved_rows=None):
         chunks = [(r.request.request_id, r.start) for r in step.scheduled if _is_later_chunk(r)]
         later_chunks.extend(chunks)
         if call["unread"] and not call["read"]:
             ahead_chunks.extend(chunks)
-        return launch(step, resolvable)
+        return launch(step, resolvable, resolved_rows)
 
     saved_split = pipeline.split_steps
     pipeline.split_steps = split_steps
@@ -78,7 +76,7 @@ def test_later_prompt_chunks_launch_before_the_read(make_llm, prompts, split_ste
     finally:
         pipeline.split_steps = saved_split
         del pipeline.step_ahead, pipeline.read, pipeline._timed_launch
-    plain = make_llm(max_num_batched_tokens=BUDGET, max_num_seqs=max_num_seqs)
+    plain = make_llm(max_num_batched_tokens=BUDGET, max_num_seqs=4)
     want = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in want]
     for got, expected in zip(outputs, want, strict=True):

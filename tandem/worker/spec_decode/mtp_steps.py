@@ -20,9 +20,13 @@ from tandem.worker.model_runner import ModelRunner, on_runner_device
 from tandem.worker.spec_decode.proposer import Proposal, ProposalRow
 from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs, graph_family
 from tandem.worker.spec_decode.uniform_step import (
+    UniformInputs,
+    finish_uniform_step,
     launch_uniform_step,
     resolved_length_bound,
     resolved_sampling_rows,
+    uniform_inputs,
+    uniform_metadata,
 )
 from tandem.worker.step_sampler import SamplingRow, StepSample
 
@@ -89,16 +93,7 @@ class MTPSteps:
         verify the drafts the draft schedule gives a step of their number
         (``SpeculativeConfig.drafts_for``), or fewer where a row's slot holds fewer, and
         the head drafts the schedule's number for the next step."""
-        states = [self.batch.states[row.request.request_id] for row in step.scheduled]
-        depth = self.runner.config.speculative.drafts_for(len(states))
-        num_drafts = min([depth] + [state.slot_depth for state in states])
-        for state in states:
-            state.slot_depth = depth
-        query_len = num_drafts + 1
-        plans = [
-            RowPlan(row, state, -1, 1, num_drafts, index * query_len)  # start: on the device
-            for index, (row, state) in enumerate(zip(step.scheduled, states, strict=True))
-        ]
+        plans, num_drafts, depth = self._resolved_plans(step)
         graphs = self.step_graphs
         params = [plan.row.request.sampling_params for plan in plans]
         family = graph_family(params, self.runner.arch.vocab_size)
@@ -128,6 +123,38 @@ class MTPSteps:
             StepSample(candidates, emitted, list(range(len(candidates))), logprobs),
             sampling_rows,
         )
+
+    def _resolved_plans(self, step: SchedulerOutput) -> tuple[list[RowPlan], int, int]:
+        """The plans of ``step``'s resolved rows, the drafts they verify, and the depth the
+        head drafts for their next step (``launch_resolved``)."""
+        states = [self.batch.states[row.request.request_id] for row in step.scheduled]
+        depth = self.runner.config.speculative.drafts_for(len(states))
+        num_drafts = min([depth] + [state.slot_depth for state in states])
+        for state in states:
+            state.slot_depth = depth
+        query_len = num_drafts + 1
+        plans = [
+            RowPlan(row, state, -1, 1, num_drafts, index * query_len)  # start: on the device
+            for index, (row, state) in enumerate(zip(step.scheduled, states, strict=True))
+        ]
+        return plans, num_drafts, depth
+
+    def mixed_inputs(self, step: SchedulerOutput) -> tuple[UniformInputs, int]:
+        """The device-built inputs of ``step``'s rows (``resolvable``) when they share a
+        forward with prompt chunks (``StepPipeline._launch_mixed``), and the head's depth."""
+        plans, num_drafts, depth = self._resolved_plans(step)
+        return uniform_inputs(self.runner, self.slots, plans, num_drafts), depth
+
+    def finish_mixed(
+        self, uniform: UniformInputs, hidden: torch.Tensor, depth: int
+    ) -> tuple[list[RowPlan], StepSample, list[SamplingRow]]:
+        """After the shared forward (``hidden``: the resolved rows' part): verification, the
+        slots' advance and drafting, eagerly, as ``launch_resolved`` does."""
+        metadata = uniform_metadata(self.runner, uniform)
+        sample, sampling_rows = finish_uniform_step(
+            self.runner, self.slots, uniform, hidden, depth, metadata
+        )
+        return uniform.plans, sample, sampling_rows
 
     def after_read(self, launched: LaunchedStep, emitted: dict, output: ModelRunnerOutput) -> None:
         """A launched part was read (``emitted``: the tokens each request got): record its

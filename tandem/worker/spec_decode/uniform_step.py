@@ -13,15 +13,17 @@ only knows upper bounds of the rows' lengths, for sizing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.device_copy import to_device
 from tandem.layers.triton_attention import block_table_array
-from tandem.worker.input_batch import RowPlan
+from tandem.worker.input_batch import RowPlan, StepInputs
 from tandem.worker.model_runner import ModelRunner
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_sampling import DraftSampling
-from tandem.worker.spec_decode.slot_rows import Accepted, accept, verify_rows
+from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows, accept, verify_rows
 from tandem.worker.step_sampler import SamplingRow, StepSample, sample_step, sampling_batch
 
 
@@ -75,6 +77,64 @@ def draft_sampling(
     )
 
 
+@dataclass
+class UniformInputs:
+    """A resolved step's inputs, built on the device from its rows' slots: what its forward
+    and its verification take (``uniform_inputs``)."""
+
+    plans: list[RowPlan]
+    num_drafts: int  # the drafts each row verifies: rows of num_drafts + 1 tokens
+    slot_ids: torch.Tensor  # [B] long
+    host_tables: list[list[int]]
+    tables: torch.Tensor  # [B, W] int32
+    rows: VerifyRows
+    bounds: list[int]  # upper bounds of the rows' sequence lengths (sizing only)
+
+    @property
+    def query_len(self) -> int:
+        return self.num_drafts + 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.plans) * self.query_len
+
+
+def uniform_inputs(
+    runner: ModelRunner, slots: RequestSlots, plans: list[RowPlan], num_drafts: int
+) -> UniformInputs:
+    """The inputs of the uniform step of ``plans`` (offsets ``b * (num_drafts + 1)``), each
+    row verifying the first ``num_drafts`` of its slot's drafts."""
+    device, block_size = runner.device, runner.block_size
+    slot_ids = to_device([plan.state.slot for plan in plans], torch.long, device)
+    host_tables = [plan.row.block_ids for plan in plans]
+    width = max(len(table) for table in host_tables)
+    tables = to_device(block_table_array(host_tables, width), torch.int32, device)
+    rows = verify_rows(
+        slots, slot_ids, tables, block_size, runner.scratch_block, num_drafts=num_drafts
+    )
+    # The row starts at most the unread step's 1 + (the slots') k tokens past the last
+    # known one.
+    reach = slots.num_drafts + 1 + num_drafts + 1
+    bounds = [
+        min(len(plan.state.token_ids) + reach, len(plan.row.block_ids) * block_size)
+        for plan in plans
+    ]
+    return UniformInputs(plans, num_drafts, slot_ids, host_tables, tables, rows, bounds)
+
+
+def uniform_metadata(runner: ModelRunner, uniform: UniformInputs):
+    """The attention metadata of ``uniform``'s rows alone."""
+    return runner.backend.build_metadata(
+        [uniform.query_len] * len(uniform.plans),
+        uniform.bounds,
+        uniform.host_tables,
+        uniform.rows.slot_mapping,
+        runner.block_size,
+        runner.device,
+        uniform.rows.seq_lens,
+    )
+
+
 def launch_uniform_step(
     runner: ModelRunner,
     slots: RequestSlots,
@@ -86,39 +146,33 @@ def launch_uniform_step(
     verifying the first ``num_drafts`` of its slot's drafts and the head drafting ``depth``
     for the next step; returns its sample (candidates, emitted counts and logprobs on the
     device) and sampling rows."""
-    k = num_drafts
-    query_len = k + 1
-    device, block_size = runner.device, runner.block_size
-    slot_ids = to_device([plan.state.slot for plan in plans], torch.long, device)
-    host_tables = [plan.row.block_ids for plan in plans]
-    width = max(len(table) for table in host_tables)
-    tables = to_device(block_table_array(host_tables, width), torch.int32, device)
-    rows = verify_rows(slots, slot_ids, tables, block_size, runner.scratch_block, num_drafts=k)
-    # The row starts at most the unread step's 1 + (the slots') k tokens past the last
-    # known one.
-    reach = slots.num_drafts + 1 + query_len
-    bounds = [
-        min(len(plan.state.token_ids) + reach, len(plan.row.block_ids) * block_size)
-        for plan in plans
-    ]
-    metadata = runner.backend.build_metadata(
-        [query_len] * len(plans),
-        bounds,
-        host_tables,
-        rows.slot_mapping,
-        block_size,
-        device,
-        rows.seq_lens,
-    )
+    uniform = uniform_inputs(runner, slots, plans, num_drafts)
+    metadata = uniform_metadata(runner, uniform)
+    rows = uniform.rows
     hidden = runner.forward_resolved(
         rows.input_ids,
         rows.positions,
         rows.slot_mapping,
         rows.seq_lens,
-        tables,
+        uniform.tables,
         metadata,
-        query_len,
+        uniform.query_len,
     )
+    return finish_uniform_step(runner, slots, uniform, hidden, depth, metadata)
+
+
+def finish_uniform_step(
+    runner: ModelRunner,
+    slots: RequestSlots,
+    uniform: UniformInputs,
+    hidden: torch.Tensor,
+    depth: int,
+    metadata,
+) -> tuple[StepSample, list[SamplingRow]]:
+    """After the target's forward over ``uniform``'s rows (``hidden``: their hidden states;
+    ``metadata``: the rows' own attention metadata, for the head's depth 0): verification,
+    the slots' advance, and the head drafting ``depth`` into the slots."""
+    k, plans, rows, slot_ids = uniform.num_drafts, uniform.plans, uniform.rows, uniform.slot_ids
     logits = runner.model.compute_logits(hidden)
     sampled = not all(plan.row.request.sampling_params.greedy for plan in plans)
     # A copy: the drafting below writes the slots' next q.
@@ -133,13 +187,42 @@ def launch_uniform_step(
         rows,
         metadata,
         accepted,
-        tables,
-        host_tables,
+        uniform.tables,
+        uniform.host_tables,
         depth,
         slot_ids,
-        draft_sampling(plans, accepted, runner.arch.vocab_size, device),
+        draft_sampling(plans, accepted, runner.arch.vocab_size, runner.device),
     )
     slots.drafts[:, :depth].index_copy_(0, slot_ids, drafts)
     if probs is not None:
         slots.draft_probs[:, :depth].index_copy_(0, slot_ids, probs)
     return sample, sampling_rows
+
+
+def forward_mixed(
+    runner: ModelRunner, uniform: UniformInputs, chunks: StepInputs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's hidden states and fed token ids of one eager forward over ``uniform``'s
+    resolved rows (inputs on the device) followed by ``chunks``' rows, prompt chunks whose
+    every token the host knows: a step that mixes them reads the weights once."""
+    if chunks.draft_index or chunks.pending_index:
+        raise ValueError("a mixed step's ragged rows must be prompt chunks (no drafts)")
+    device, rows = runner.device, uniform.rows
+
+    def joined(resolved: torch.Tensor, host: list[int]) -> torch.Tensor:
+        return torch.cat([resolved, to_device(host, resolved.dtype, device)])
+
+    input_ids = joined(rows.input_ids, chunks.token_ids)
+    positions = joined(rows.positions, chunks.positions)
+    slot_mapping = joined(rows.slot_mapping, chunks.slots)
+    metadata = runner.backend.build_metadata(
+        [uniform.query_len] * len(uniform.plans) + chunks.query_lens,
+        uniform.bounds + chunks.seq_lens,
+        uniform.host_tables + chunks.block_tables,
+        slot_mapping,
+        runner.block_size,
+        device,
+        joined(rows.seq_lens, chunks.seq_lens),
+    )
+    hidden = runner.model(input_ids, positions, runner.kv_caches, metadata, runner.backend)
+    return hidden, input_ids

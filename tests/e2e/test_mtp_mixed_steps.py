@@ -1,0 +1,110 @@
+"""MTP with overlap where a step goes whole (``split_steps`` off, as on models over 2 GiB):
+a step of decode rows the device resolves beside prompt chunks goes before the read of the
+step in front as one forward (``StepPipeline._launch_mixed``); its tokens, logprobs and
+drafts are those of the same step in parts, and greedy ones plain decoding's. No block
+leaks (``make_llm``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import SamplingParams
+from tandem.bench.datasets import load_mtbench
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def prompts(llm_cache):
+    from tandem import LLM
+
+    if () not in llm_cache:
+        llm_cache[()] = LLM()
+    tokenizer = llm_cache[()].tokenizer
+    questions = [q["turns"][0] for q in load_mtbench()[3::5]][:12]
+    return [
+        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
+        for q in questions
+    ]
+
+
+def _params(index: int) -> SamplingParams:
+    """Greedy and seeded sampled requests of several lengths, some that may end early (end
+    token, a stop string), all with logprobs."""
+    sampled = index % 3 == 1
+    return SamplingParams(
+        temperature=0.8 if sampled else 0.0,
+        top_p=0.95,
+        seed=100 + index if sampled else None,
+        max_tokens=8 + 7 * (index % 4),
+        logprobs=2,
+        ignore_eos=index % 2 == 0,
+        stop=["\n\n"] if index % 4 == 3 else None,
+    )
+
+
+def _run(llm, prompts, split_steps: bool) -> tuple[list, dict]:
+    """Generate with steps in parts or whole; count per step its launches, and the steps
+    that mix a prompt chunk with other rows."""
+    pipeline = llm.engine.pipeline
+    step_ahead, timed_launch = pipeline.step_ahead, pipeline._timed_launch
+    launches: list[int] = []
+    counts = {"chunk_beside_others": 0, "mixed_before": pipeline.num_mixed_steps}
+
+    def counting_step(step):
+        launches.append(0)
+        # A follow-up row's start is stale (its prompt's step is in flight): not a chunk.
+        in_prompt = [
+            not row.follow_up and row.start < row.request.num_prompt_tokens
+            for row in step.scheduled
+        ]
+        counts["chunk_beside_others"] += any(in_prompt) and not all(in_prompt)
+        return step_ahead(step)
+
+    def counting_launch(step, resolvable=None, resolved_rows=None):
+        launches[-1] += 1
+        return timed_launch(step, resolvable, resolved_rows)
+
+    saved = pipeline.split_steps
+    pipeline.split_steps = split_steps
+    pipeline.step_ahead, pipeline._timed_launch = counting_step, counting_launch
+    try:
+        params = [_params(i) for i in range(len(prompts))]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        pipeline.split_steps = saved
+        del pipeline.step_ahead, pipeline._timed_launch
+    counts["mixed"] = pipeline.num_mixed_steps - counts.pop("mixed_before")
+    counts["most_launches"] = max(launches)
+    return outputs, counts
+
+
+def test_mixed_steps_launch_ahead_in_one_forward_and_match_the_parts(make_llm, prompts):
+    # No prefix caching: both runs schedule the same rows in the same steps.
+    llm = make_llm(
+        speculative="mtp", num_speculative_tokens=K, max_num_seqs=4, enable_prefix_caching=False
+    )
+    pipeline = llm.engine.pipeline
+    waited = pipeline.num_parts_after_read
+    whole, counts = _run(llm, prompts, split_steps=False)
+    waited = pipeline.num_parts_after_read - waited
+    parts, _ = _run(llm, prompts, split_steps=True)
+    assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in parts]
+    for got, want in zip(whole, parts, strict=True):
+        assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+        got_logprobs, want_logprobs = got.outputs[0].logprobs, want.outputs[0].logprobs
+        for got_entry, want_entry in zip(got_logprobs, want_logprobs, strict=True):
+            assert got_entry.keys() == want_entry.keys()
+            for token, entry in want_entry.items():
+                assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
+    # Greedy requests: plain decoding's tokens.
+    plain = make_llm(max_num_seqs=4, enable_prefix_caching=False)
+    greedy = [i for i in range(len(prompts)) if _params(i).temperature == 0.0]
+    want = plain.generate([prompts[i] for i in greedy], [_params(i) for i in greedy])
+    assert [whole[i].outputs[0].token_ids for i in greedy] == [o.outputs[0].token_ids for o in want]
+    # Whole: one launch a step; most steps with a chunk beside decode rows go as one mixed
+    # forward before the read (the rest wait for the read: a row the device cannot resolve).
+    assert counts["most_launches"] == 1
+    assert counts["chunk_beside_others"] >= 5
+    assert counts["mixed"] >= 0.8 * counts["chunk_beside_others"], counts
+    assert waited <= counts["chunk_beside_others"] - counts["mixed"] + 2, (waited, counts)
