@@ -139,9 +139,12 @@ class RaggedGraphRunner:
         num_tokens = sum(batch.query_lens)
         return next((size for size in self.sizes if size >= num_tokens), None)
 
-    def prepare(self, batch: RaggedBatch, size: int) -> None:
+    def prepare(
+        self, batch: RaggedBatch, size: int, first_seq_lens: torch.Tensor | None = None
+    ) -> None:
         """Fill the request buffers from ``batch`` and pad its tokens (already in the
-        token buffers) to ``size``; no wait."""
+        token buffers) to ``size``; no wait. ``first_seq_lens``: the first rows' true
+        lengths, on the device only (``batch.seq_lens`` holds upper bounds for them)."""
         rows = len(batch.query_lens)
         starts = query_start_locations(batch.query_lens)
         num_tokens = starts[-1]
@@ -151,13 +154,18 @@ class RaggedGraphRunner:
         width = -(-max(batch.seq_lens) // self.block_size)
         copy_to(self.query_starts, np.asarray(starts, dtype=np.int32))
         copy_to(self.seq_lens, seq_lens)
+        if first_seq_lens is not None:
+            self.seq_lens[: first_seq_lens.shape[0]].copy_(first_seq_lens)
         copy_to(self.block_tables[:rows, :width], block_table_array(batch.block_tables, width))
         self.slots[num_tokens:size].copy_(self.scratch_slots[: size - num_tokens])
 
-    def run(self, batch: RaggedBatch, size: int) -> torch.Tensor:
+    def run(
+        self, batch: RaggedBatch, size: int, first_seq_lens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Pad ``batch`` to ``size`` and replay its graph; returns the real tokens' hidden
-        states (a view of the graph's static output). The host never waits here."""
-        self.prepare(batch, size)
+        states (a view of the graph's static output). The host never waits here.
+        ``first_seq_lens``: see ``prepare``."""
+        self.prepare(batch, size, first_seq_lens)
         if not self.graphs:  # not captured (the CPU): the same function, eagerly
             hidden = self.forward(size)
         else:

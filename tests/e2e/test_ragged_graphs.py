@@ -84,6 +84,36 @@ def test_the_ragged_graph_function_gives_the_eager_forwards_outputs(interpreter,
                 assert abs(got_entry[token] - value) <= 1e-5
 
 
+def test_mixed_steps_replay_the_ragged_graph(interpreter):  # noqa: F811
+    """Steps going whole (as on a model over 2 GiB): a step of resolved decode rows and
+    prompt chunks runs as one forward, through the ragged graph's function when one fits
+    (the resolved rows' inputs copied in on the device, their true lengths too), and gives
+    the eager mixed forward's tokens and logprobs."""
+    mtp = {"speculative": "mtp", "num_speculative_tokens": 2, "speculative_model": "dummy"}
+    results, mixed = [], []
+    for with_graph in (False, True):
+        llm = _engine(with_graph, **mtp)
+        pipeline = llm.engine.pipeline
+        pipeline.split_steps = False
+        try:
+            results.append(_outputs(llm))
+            mixed.append(pipeline.num_mixed_steps)
+            ragged = llm.engine.runner.ragged_graphs
+            if with_graph:
+                assert ragged.num_replays >= pipeline.num_mixed_steps
+            assert llm.engine.block_manager.all_blocks_free()
+        finally:
+            llm.engine.shutdown()
+    assert mixed[0] == mixed[1] >= 2
+    (want, got) = results
+    for (got_tokens, got_logprobs), (tokens, logprobs) in zip(got, want, strict=True):
+        assert got_tokens == tokens
+        for got_entry, entry in zip(got_logprobs, logprobs, strict=True):
+            assert got_entry.keys() == entry.keys()
+            for token, value in entry.items():
+                assert abs(got_entry[token] - value) <= 1e-5
+
+
 def test_padded_size_refuses_what_no_graph_holds(interpreter):  # noqa: F811
     llm = _engine(False)
     runner = llm.engine.runner
@@ -101,6 +131,10 @@ def test_padded_size_refuses_what_no_graph_holds(interpreter):  # noqa: F811
     ragged.prepare(RaggedBatch([3, 1], [3, 9], [[5], [6]]), 16)
     assert ragged.query_starts.tolist() == [0, 3, 4, 4, 4]
     assert ragged.seq_lens.tolist() == [3, 9, 0, 0]
+    # A mixed step's resolved rows: their true lengths from the device over the bounds.
+    first = torch.tensor([2], dtype=torch.int32, device=ragged.seq_lens.device)
+    ragged.prepare(RaggedBatch([3, 1], [3, 9], [[5], [6]]), 16, first)
+    assert ragged.seq_lens.tolist() == [2, 9, 0, 0]
     scratch = runner.scratch_block * runner.block_size
     assert ragged.slots[4:16].tolist() == [scratch + j for j in range(12)]
     assert ragged.slots[16:MAX_TOKENS].tolist() == [-7] * (MAX_TOKENS - 16)

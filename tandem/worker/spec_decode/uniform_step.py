@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.device_copy import to_device
+from tandem.device_copy import copy_to, to_device
 from tandem.layers.triton_attention import block_table_array
 from tandem.worker.input_batch import RowPlan, StepInputs
 from tandem.worker.model_runner import ModelRunner
+from tandem.worker.ragged_graphs import RaggedBatch
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_sampling import DraftSampling
 from tandem.worker.spec_decode.slot_rows import Accepted, VerifyRows, accept, verify_rows
@@ -202,12 +203,33 @@ def finish_uniform_step(
 def forward_mixed(
     runner: ModelRunner, uniform: UniformInputs, chunks: StepInputs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's hidden states and fed token ids of one eager forward over ``uniform``'s
+    """The target's hidden states and fed token ids of one forward over ``uniform``'s
     resolved rows (inputs on the device) followed by ``chunks``' rows, prompt chunks whose
-    every token the host knows: a step that mixes them reads the weights once."""
+    every token the host knows: a step that mixes them reads the weights once. A ragged
+    graph's replay when one fits (its buffers take the resolved rows' inputs by device
+    copies and their true lengths on the device), else eagerly: an eager forward launches
+    layer by layer from Python, which on an 8B model costs the host more than the step."""
     if chunks.draft_index or chunks.pending_index:
         raise ValueError("a mixed step's ragged rows must be prompt chunks (no drafts)")
-    device, rows = runner.device, uniform.rows
+    device, rows, num_resolved = runner.device, uniform.rows, uniform.num_tokens
+    query_lens = [uniform.query_len] * len(uniform.plans) + chunks.query_lens
+    batch = RaggedBatch(
+        query_lens, uniform.bounds + chunks.seq_lens, uniform.host_tables + chunks.block_tables
+    )
+    graphs = runner.ragged_graphs
+    size = graphs.padded_size(batch) if graphs is not None else None
+    if size is not None:
+        num_tokens = num_resolved + len(chunks.token_ids)
+        buffers = runner.token_buffers
+        for buffer, resolved, host in zip(
+            buffers,
+            (rows.input_ids, rows.positions, rows.slot_mapping),
+            (chunks.token_ids, chunks.positions, chunks.slots),
+            strict=True,
+        ):
+            buffer[:num_resolved].copy_(resolved)
+            copy_to(buffer[num_resolved:num_tokens], host)
+        return graphs.run(batch, size, rows.seq_lens), buffers[0][:num_tokens]
 
     def joined(resolved: torch.Tensor, host: list[int]) -> torch.Tensor:
         return torch.cat([resolved, to_device(host, resolved.dtype, device)])
@@ -216,9 +238,9 @@ def forward_mixed(
     positions = joined(rows.positions, chunks.positions)
     slot_mapping = joined(rows.slot_mapping, chunks.slots)
     metadata = runner.backend.build_metadata(
-        [uniform.query_len] * len(uniform.plans) + chunks.query_lens,
-        uniform.bounds + chunks.seq_lens,
-        uniform.host_tables + chunks.block_tables,
+        query_lens,
+        batch.seq_lens,
+        batch.block_tables,
         slot_mapping,
         runner.block_size,
         device,
