@@ -201,3 +201,49 @@ def test_sampled_requests_verify_the_oracles_drafts_as_one_hot_on_every_path(
         assert (llm.engine.pipeline.num_resolved_steps > resolved) == overlap
         monkeypatch.undo()
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_steps", [True, False], ids=["in-parts", "whole"])
+def test_the_oracle_engine_hides_no_synchronization_on_cuda(split_steps):
+    """On the GPU, with torch's sync debug mode "error" on every step (only the reader's own
+    wait is allowed): the oracle engine's steps, each request's recording written into the
+    oracle's table at its first draft and, with steps going whole, the steps of resolved
+    rows and prompt chunks in one forward. A Python int assigned into the table's keys had
+    waited for the device at every joining prompt. The outputs are plain decoding's."""
+    from tandem import LLM
+
+    engine = {**ENGINE, "device": "cuda", "dtype": "float32"}
+    prompts = _prompts(8)
+    plain = LLM(**engine)
+    try:
+        reference = _tokens(plain.generate(prompts, _greedy(32), use_tqdm=False))
+        longer = _tokens(plain.generate(prompts, _greedy(32 + K), use_tqdm=False))
+    finally:
+        plain.engine.shutdown()
+    llm = LLM(**engine, speculative="oracle", num_speculative_tokens=K, oracle_corruption=0.3)
+    llm.engine.runner.proposer.set_recordings(
+        {tuple(p["prompt_token_ids"]): t for p, t in zip(prompts, longer, strict=True)}
+    )
+    pipeline = llm.engine.pipeline
+    pipeline.split_steps = split_steps
+    llm.generate(prompts[:2], _greedy(4), use_tqdm=False)  # warm-up: allocations, pinning
+    step_ahead, calls = pipeline.step_ahead, []
+
+    def strict(step):
+        calls.append(step)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step_ahead(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    pipeline.step_ahead = strict
+    try:
+        outputs = llm.generate(prompts, _greedy(32), use_tqdm=False)
+    finally:
+        del pipeline.step_ahead
+        llm.engine.shutdown()
+    assert _tokens(outputs) == reference
+    assert len(calls) >= 8
+    assert pipeline.num_mixed_steps > 0 or split_steps

@@ -254,16 +254,18 @@ def test_plain_decoding_queues_the_next_step_before_reading(make_llm, prompts, m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sampling", ["mixed", "greedy"])
+@pytest.mark.parametrize("sampling", ["mixed", "greedy", "whole"])
 def test_no_hidden_synchronization_on_cuda(sampling):
     """On the GPU, torch's sync debug mode turns any implicit synchronization (a blocking
     copy, .item(), a data-dependent shape) into an error; only the DeviceReader's explicit
     stream wait remains: with greedy and sampled rows and with greedy rows alone, all with
     logprobs (MTP steps resolved on the device, launched ahead and replayed as the sampled
-    family of step graphs). TANDEM_MODEL names the model file where the default package is
-    not installed."""
+    family of step graphs); "whole": sampled and greedy rows four at a time with steps going
+    whole (as on a model over 2 GiB), so prompt chunks share a forward with resolved rows.
+    TANDEM_MODEL names the model file where the default package is not installed."""
     from tandem import LLM
 
+    whole = sampling == "whole"
     llm = LLM(
         model=os.environ.get("TANDEM_MODEL"),
         device="cuda",
@@ -271,7 +273,9 @@ def test_no_hidden_synchronization_on_cuda(sampling):
         speculative="mtp",
         num_speculative_tokens=3,
         kv_cache_memory_gb=4,
+        **({"max_num_seqs": 4} if whole else {}),
     )
+    llm.engine.pipeline.split_steps = not whole
     prompts = [
         {
             "prompt_token_ids": llm.tokenizer.apply_chat_template(
@@ -316,6 +320,7 @@ def test_no_hidden_synchronization_on_cuda(sampling):
     # The strict mode was on for every step (14 with these prompts on the H200).
     assert len(calls) >= 8 and set(calls) == {"step_ahead"}
     assert pipeline.num_resolved_steps > resolved_before
+    assert pipeline.num_mixed_steps > 0 or not whole
     assert pipeline.mtp.step_graphs.num_replays > replays_before
 
 

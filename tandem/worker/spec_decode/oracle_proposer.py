@@ -127,7 +127,8 @@ class OracleProposer:
         self.table[slot].zero_()
         prompt_len = state.num_prompt_tokens
         prompt = tuple(state.token_ids[:prompt_len])
-        self.keys[slot] = request_key(prompt)
+        # From pinned memory: a Python int assigned into a CUDA tensor waits for the device.
+        self.keys[slot : slot + 1].copy_(to_device([request_key(prompt)], torch.long, self.device))
         recording = self.recordings.get(prompt)
         if recording is None:
             self.num_unrecorded_requests += 1
