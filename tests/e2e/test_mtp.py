@@ -5,9 +5,9 @@ prefix-cache hits; accepted drafts go through every stop condition."""
 from __future__ import annotations
 
 import pytest
+from chat_prompts import mtbench_chat_prompts
 
 from tandem import SamplingParams
-from tandem.bench.datasets import load_mtbench
 from tandem.bench.hf_reference import reference_from_output, tie_rule_mismatches
 from tandem.worker.spec_decode.proposer import Proposal
 
@@ -19,16 +19,7 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def prompts(llm_cache):
-    from tandem import LLM
-
-    if () not in llm_cache:
-        llm_cache[()] = LLM()
-    tokenizer = llm_cache[()].tokenizer
-    questions = [q["turns"][0] for q in load_mtbench()[::5]][:16]
-    return [
-        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-        for q in questions
-    ]
+    return mtbench_chat_prompts(llm_cache, 0, 5, 16)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from chat_prompts import mtbench_chat_prompts
 
 from tandem import SamplingParams
-from tandem.bench.datasets import load_mtbench
 
 K = 3
 TINY_TOKENS = 8  # per request on the tiny model under Triton's interpreter (slow)
@@ -17,16 +17,7 @@ TINY_TOKENS = 8  # per request on the tiny model under Triton's interpreter (slo
 
 @pytest.fixture(scope="module")
 def prompts(llm_cache):
-    from tandem import LLM
-
-    if () not in llm_cache:
-        llm_cache[()] = LLM()
-    tokenizer = llm_cache[()].tokenizer
-    questions = [q["turns"][0] for q in load_mtbench()[1::7]][:8]
-    return [
-        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-        for q in questions
-    ]
+    return mtbench_chat_prompts(llm_cache, 1, 7, 8)
 
 
 def _greedy(max_tokens: int = 48, **kwargs) -> SamplingParams:

@@ -7,25 +7,16 @@ leaks (``make_llm``)."""
 from __future__ import annotations
 
 import pytest
+from chat_prompts import mtbench_chat_prompts
 
 from tandem import SamplingParams
-from tandem.bench.datasets import load_mtbench
 
 K = 3
 
 
 @pytest.fixture(scope="module")
 def prompts(llm_cache):
-    from tandem import LLM
-
-    if () not in llm_cache:
-        llm_cache[()] = LLM()
-    tokenizer = llm_cache[()].tokenizer
-    questions = [q["turns"][0] for q in load_mtbench()[3::5]][:12]
-    return [
-        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-        for q in questions
-    ]
+    return mtbench_chat_prompts(llm_cache, 3, 5, 12)
 
 
 def _params(index: int) -> SamplingParams:

@@ -7,9 +7,9 @@ Greedy outputs and logprobs are the plain engine's; no block leaks (``make_llm``
 from __future__ import annotations
 
 import pytest
+from chat_prompts import mtbench_chat_prompts
 
 from tandem import SamplingParams
-from tandem.bench.datasets import load_mtbench
 
 K = 3
 BUDGET = 64  # tokens a step: every prompt comes in several chunks
@@ -17,16 +17,7 @@ BUDGET = 64  # tokens a step: every prompt comes in several chunks
 
 @pytest.fixture(scope="module")
 def prompts(llm_cache):
-    from tandem import LLM
-
-    if () not in llm_cache:
-        llm_cache[()] = LLM()
-    tokenizer = llm_cache[()].tokenizer
-    questions = [q["turns"][0] for q in load_mtbench()[2::9]][:6]
-    return [
-        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-        for q in questions
-    ]
+    return mtbench_chat_prompts(llm_cache, 2, 9, 6)
 
 
 def _is_later_chunk(row) -> bool:

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+from chat_prompts import mtbench_chat_prompts
 from host_reads import HostReads
 
 from tandem import SamplingParams
@@ -23,16 +24,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def prompts(llm_cache):
-    from tandem import LLM
-
-    if () not in llm_cache:
-        llm_cache[()] = LLM()
-    tokenizer = llm_cache[()].tokenizer
-    questions = [q["turns"][0] for q in load_mtbench()[1::5]][:16]
-    return [
-        {"prompt_token_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}])}
-        for q in questions
-    ]
+    return mtbench_chat_prompts(llm_cache, 1, 5, 16)
 
 
 def _outputs(llm, prompts, params) -> list[tuple]:

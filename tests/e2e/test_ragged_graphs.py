@@ -59,6 +59,16 @@ def _outputs(llm: LLM) -> list:
     ]
 
 
+def _assert_same(got: list, want: list) -> None:
+    """The same tokens, and logprobs within 1e-5, run by run (``_outputs``)."""
+    for (got_tokens, got_logprobs), (tokens, logprobs) in zip(got, want, strict=True):
+        assert got_tokens == tokens
+        for got_entry, entry in zip(got_logprobs, logprobs, strict=True):
+            assert got_entry.keys() == entry.keys()
+            for token, value in entry.items():
+                assert abs(got_entry[token] - value) <= 1e-5
+
+
 @pytest.mark.parametrize(
     "engine",
     [{}, {"speculative": "mtp", "num_speculative_tokens": 2, "speculative_model": "dummy"}],
@@ -76,12 +86,7 @@ def test_the_ragged_graph_function_gives_the_eager_forwards_outputs(interpreter,
         assert llm.engine.block_manager.all_blocks_free()
     finally:
         llm.engine.shutdown()
-    for (got_tokens, got_logprobs), (tokens, logprobs) in zip(got, want, strict=True):
-        assert got_tokens == tokens
-        for got_entry, entry in zip(got_logprobs, logprobs, strict=True):
-            assert got_entry.keys() == entry.keys()
-            for token, value in entry.items():
-                assert abs(got_entry[token] - value) <= 1e-5
+    _assert_same(got, want)
 
 
 def test_mixed_steps_replay_the_ragged_graph(interpreter):  # noqa: F811
@@ -106,12 +111,7 @@ def test_mixed_steps_replay_the_ragged_graph(interpreter):  # noqa: F811
             llm.engine.shutdown()
     assert mixed[0] == mixed[1] >= 2
     (want, got) = results
-    for (got_tokens, got_logprobs), (tokens, logprobs) in zip(got, want, strict=True):
-        assert got_tokens == tokens
-        for got_entry, entry in zip(got_logprobs, logprobs, strict=True):
-            assert got_entry.keys() == entry.keys()
-            for token, value in entry.items():
-                assert abs(got_entry[token] - value) <= 1e-5
+    _assert_same(got, want)
 
 
 def test_padded_size_refuses_what_no_graph_holds(interpreter):  # noqa: F811
