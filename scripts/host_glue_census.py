@@ -6,7 +6,8 @@ eager ops between the replays, drafting's bookkeeping. (The uniform decode graph
 eager form: steps that would take them run eagerly and are not counted here.)
 
 Per step kind (``prompt``: a joining prompt's ragged step, drafted at its launch;
-``resolved``: an MTP step resolved on the device), the host's microseconds per launch
+``resolved``: an MTP step resolved on the device; ``mixed``: resolved rows and prompt chunks in
+one forward), the host's microseconds per launch
 outside the graphs' functions, the same per named part of it (``PARTS``; parts nest, each
 timed whole), and the device ops it dispatches there (a second pass under a dispatch
 counter, views not counted). The H200's host measured about 1.4-2.4x these CPU
@@ -86,11 +87,12 @@ class Census:
 
     def launch(self, fn):
         @functools.wraps(fn)
-        def wrapper(pipeline, step, resolvable=None):
-            self.kind = "resolved" if resolvable else "prompt" if resolvable is False else "other"
+        def wrapper(pipeline, step, resolvable=None, resolved_rows=None):
+            kind = "resolved" if resolvable else "prompt" if resolvable is False else "other"
+            self.kind = "mixed" if resolved_rows else kind
             start, graphs = time.perf_counter(), self.graph_seconds
             try:
-                return fn(pipeline, step, resolvable)
+                return fn(pipeline, step, resolvable, resolved_rows)
             finally:
                 spent = time.perf_counter() - start - (self.graph_seconds - graphs)
                 self.glue[self.kind] += spent
@@ -127,6 +129,15 @@ class Census:
                     self.graph_seconds += time.perf_counter() - start
 
         return wrapper
+
+
+def _generate(llm, prompts, params) -> None:
+    """Generate, and stop the census if a request failed (a failed launch ends only its
+    requests: counted on, it would leave a kind out silently)."""
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        reason = output.outputs[0].finish_reason
+        if reason != "length":
+            raise SystemExit(f"request {output.request_id} ended with {reason!r}, not 'length'")
 
 
 class _CountOps(TorchDispatchMode):
@@ -179,19 +190,19 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(1, 500, 100).tolist()} for _ in range(4)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    _generate(llm, prompts, params)  # warm-up
     census.glue.clear()
     census.parts.clear()
     census.launches.clear()
     runs = [{"prompt_token_ids": rng.integers(1, 500, 100).tolist()} for _ in range(args.requests)]
     for prompt in runs:
-        llm.generate([prompt], params, use_tqdm=False)
+        _generate(llm, [prompt], params)
     launches, glue = dict(census.launches), dict(census.glue)
     parts = {kind: dict(spent) for kind, spent in census.parts.items()}
     census.launches.clear()
     with _CountOps(census):
         for prompt in runs[:4]:
-            llm.generate([prompt], params, use_tqdm=False)
+            _generate(llm, [prompt], params)
     counted = dict(census.launches)
     results = {
         "model": args.model,
@@ -207,7 +218,7 @@ def main() -> None:
                     for label, spent in sorted(parts.get(kind, {}).items(), key=lambda p: -p[1])
                 },
             }
-            for kind in ("prompt", "resolved")
+            for kind in ("prompt", "resolved", "mixed")
             if launches.get(kind)
         },
     }
