@@ -123,22 +123,15 @@ def _counter_delta(before: dict, after: dict, name: str) -> int:
 
 
 def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
-    """The acceptance numbers between two metric snapshots (none without speculation); the
-    snapshots carry the step pipeline's counts too (``_snapshot``)."""
+    """The acceptance numbers and the step pipeline's counts (``_snapshot``) between two
+    snapshots (none without speculation)."""
     if not k:
         return {}
-    names = (
-        "steps_launched_ahead",
-        "steps_prompts_ahead",
-        "steps_parts_after_read",
-        "steps_resolved",
-        "steps_resolved_in_graphs",
-        "ragged_drafts_in_graphs",
-        "host_launch_s",
-        "host_ragged_launch_s",
-        "host_wait_s",
-    )
-    return {**acceptance(before, after, k), **{n: after[n] - before[n] for n in names}}
+    counts = after["pipeline"]
+    return {
+        **acceptance(before, after, k),
+        **{name: counts[name] - before["pipeline"][name] for name in counts},
+    }
 
 
 # The host's clocks in ``_snapshot``: launching steps, of it MTP ragged parts, and waiting.
@@ -146,29 +139,30 @@ _HOST_CLOCKS = ("host_launch_s", "host_ragged_launch_s", "host_wait_s")
 
 
 def _snapshot(llm: Any) -> dict:
-    """The engine's metrics and how many MTP steps so far launched rows before the read of
-    the step in front (resolved rows; joining prompts) or had a part that waited for it, and
-    how many resolved parts ran, and of those how many replayed a CUDA graph (the rest ran
-    eagerly: no graph for their size, or the slots' storage grew since the capture), how
-    many ragged parts drafted through the prompt draft graphs (``prompt_draft_graphs``), and
-    the host's seconds in launches (and of those, in ragged parts) and in waits for the
-    device."""
+    """The engine's metrics and, under ``pipeline``, how many MTP steps so far launched rows
+    before the read of the step in front (resolved rows; joining prompts) or had a part that
+    waited for it, how many resolved parts ran, and of those how many replayed a CUDA graph
+    (the rest ran eagerly: no graph for their size, or the slots' storage grew since the
+    capture) or shared one forward with prompt chunks (``steps_mixed``), how many ragged
+    parts drafted through the prompt draft graphs (``prompt_draft_graphs``), and the host's
+    seconds in launches (and of those, in ragged parts) and in waits for the device."""
     pipeline = llm.engine.pipeline
     graphs = pipeline.mtp.step_graphs if pipeline.mtp is not None else None
     proposer = llm.engine.runner.proposer
     prompt_graphs = getattr(proposer, "prompt_graphs", None)
-    return {
-        **llm.get_metrics(),
+    counts = {
         "steps_launched_ahead": pipeline.num_launched_ahead,
         "steps_prompts_ahead": pipeline.num_prompts_ahead,
         "steps_parts_after_read": pipeline.num_parts_after_read,
         "steps_resolved": pipeline.num_resolved_steps,
         "steps_resolved_in_graphs": graphs.num_replays if graphs is not None else 0,
+        "steps_mixed": pipeline.num_mixed_steps,
         "ragged_drafts_in_graphs": prompt_graphs.num_replays if prompt_graphs else 0,
         "host_launch_s": pipeline.launch_seconds,  # preparing and queueing steps
         "host_ragged_launch_s": pipeline.ragged_launch_seconds,  # of it, MTP ragged parts
         "host_wait_s": pipeline.reader.wait_seconds,  # waiting for the device at reads
     }
+    return {**llm.get_metrics(), "pipeline": counts}
 
 
 def fixed_run(
@@ -247,7 +241,7 @@ def questions_run(
             "output_tokens": tokens,
             "seconds": seconds,
             "num_steps": _counter_delta(before, after, "num_steps"),
-            **{name: after[name] - before[name] for name in _HOST_CLOCKS},
+            **{name: after["pipeline"][name] - before["pipeline"][name] for name in _HOST_CLOCKS},
         }
         if k:
             entry["mean_acceptance_length"] = acceptance(before, after, k)["mean_acceptance_length"]

@@ -133,6 +133,7 @@ class _CountingLLM:
             num_prompts_ahead=0,
             num_parts_after_read=0,
             num_resolved_steps=0,
+            num_mixed_steps=0,
             mtp=SimpleNamespace(step_graphs=graphs),
             launch_seconds=0.0,
             ragged_launch_seconds=0.0,
@@ -173,6 +174,7 @@ class _CountingLLM:
         pipeline.num_parts_after_read += 1
         pipeline.num_resolved_steps += max(drafts - 1, 0)  # all but one of them in a graph
         pipeline.mtp.step_graphs.num_replays += max(drafts - 2, 0)
+        pipeline.num_mixed_steps += 1 if drafts > 2 else 0  # one beside a prompt chunk
         self.engine.runner.proposer.prompt_graphs.num_replays += 1 if drafts else 0  # its prompt
         pipeline.launch_seconds += seconds / 4  # a quarter of the time in launches, half waits
         pipeline.ragged_launch_seconds += seconds / 8  # half the launches' time in ragged parts
@@ -197,6 +199,7 @@ def test_questions_row_sums_tokens_and_seconds_and_lists_each_acceptance(monkeyp
     assert run["steps_launched_ahead"] == 132 and run["steps_parts_after_read"] == 3
     assert run["steps_prompts_ahead"] == 0
     assert run["steps_resolved"] == 132 and run["steps_resolved_in_graphs"] == 129
+    assert run["steps_mixed"] == 3
     assert run["ragged_drafts_in_graphs"] == 3
     assert run["host_launch_s"] == pytest.approx(1.0) and run["host_wait_s"] == pytest.approx(2.0)
     assert run["host_ragged_launch_s"] == pytest.approx(0.5)
