@@ -5,8 +5,9 @@ prefill alone, rows near the context's end with fewer drafts) has no uniform gra
 (``cuda_graphs.py``). Launched layer by layer from Python, such a step costs a small model
 far more host time than device time: in steady-state serving a prompt joins every few steps,
 and those eager steps were most of the host's time (benchmarks/README.md). Here the whole
-forward is captured once per padded token count (16, 32, 64, ... up to
-``max_num_batched_tokens``) and replayed for any ragged batch that fits.
+forward is captured once per padded token count (16, 32, 64, 128, then four sizes per
+doubling: 160, 192, 224, 256, 320, ... up to ``max_num_batched_tokens``) and replayed for any
+ragged batch that fits.
 
 This works because the attention launcher reads no device value and its grid depends on
 sizes alone: the graph runs over ``max_num_seqs`` request rows and ``size`` tokens. A batch
@@ -37,14 +38,22 @@ from tandem.layers.triton_attention import TritonAttentionMetadata, block_table_
 from tandem.worker.cuda_graphs import capture_graph, capture_stream
 
 SMALLEST_SIZE = 16
+# From here on each doubling of the token count is split in SIZES_PER_OCTAVE graph sizes:
+# past ~128 rows a step's GEMMs grow with its rows (the 8B shape's are compute-bound past
+# ~200), so padding 520 tokens to 1,024 nearly doubled such a step's device time
+# (scripts/ragged_padding.py: 1.33 padded tokens a real one in the steady rows, 1.07 now).
+FINE_FROM = 128
+SIZES_PER_OCTAVE = 4
 
 
 def ragged_token_sizes(max_tokens: int) -> list[int]:
-    """Padded token counts that get a graph: powers of two from 16, and ``max_tokens``."""
+    """Padded token counts that get a graph: powers of two from 16 to ``FINE_FROM``, then
+    ``SIZES_PER_OCTAVE`` evenly spaced sizes per doubling, and ``max_tokens``."""
     sizes = []
     size = SMALLEST_SIZE
     while size < max_tokens:
-        sizes.append(size)
+        step = size // SIZES_PER_OCTAVE if size >= FINE_FROM else size
+        sizes.extend(range(size, min(2 * size, max_tokens), step))
         size *= 2
     sizes.append(max_tokens)
     return sizes

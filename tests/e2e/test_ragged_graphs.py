@@ -21,8 +21,16 @@ MAX_TOKENS = 48
 
 def test_sizes_cover_every_token_count_up_to_the_step_budget():
     assert ragged_token_sizes(48) == [16, 32, 48]
-    assert ragged_token_sizes(2048)[-3:] == [512, 1024, 2048]
     assert ragged_token_sizes(5) == [5]
+    assert ragged_token_sizes(300) == [16, 32, 64, 128, 160, 192, 224, 256, 300]
+    # Past 128 tokens, four sizes a doubling: a batch is padded by under a quarter of its
+    # tokens, where the GEMMs grow with the rows.
+    sizes = ragged_token_sizes(2048)
+    assert sizes[:8] == [16, 32, 64, 128, 160, 192, 224, 256]
+    assert sizes[-5:] == [1024, 1280, 1536, 1792, 2048] and len(sizes) == 20
+    for tokens in range(129, 2049):
+        padded = next(size for size in sizes if size >= tokens)
+        assert padded < tokens * 1.25
 
 
 def _engine(with_graph: bool, **engine) -> LLM:
