@@ -6,9 +6,11 @@ overlap, then MTP with overlap and the oracle proposer at rate 0 (every draft ac
 the H100 runs) at k = 1 and 2. Every ragged forward (prompt chunks, alone or beside decode
 or verification rows) asks ``padded_size`` for a graph; a recorder in the graphs' place
 notes its token count and answers none (the step runs eagerly, as it does on the CPU
-anyway). The MTP engines' steps go whole, as the 8B shape's do (``split_steps`` off). Counts, not times: on a GPU a ragged step's GEMMs run over the padded count, so
-``padded / real`` is what the graphs' padding multiplies the ragged steps' GEMM work by
-where the rows are many enough to be compute-bound (the 8B shape's steps past ~200 rows).
+anyway). The MTP engines' steps go whole, as the 8B shape's do (``split_steps`` off), and
+the runs take the steps the H100's did (981 and 336 against 980 and 336 at k = 2). Counts,
+not times: on a GPU a ragged step's GEMMs run over the padded count, so ``padded / real`` is
+what the graphs' padding multiplies the ragged steps' GEMM work by where the rows are many
+enough for the GEMMs to grow with them (the 8B shape's, past ~128 rows).
 
 Usage: .venv/bin/python scripts/ragged_padding.py OUT.json [--requests 256]
 """
@@ -126,8 +128,10 @@ def main() -> None:
             "mean_acceptance_length": run.get("mean_acceptance_length"),
             "recording_match": run.get("recording_match"),
             "token_counts": recorder.token_counts,
-            "padding": {label: padding(recorder.token_counts, sizes)
-                        for label, sizes in size_lists().items()},
+            "padding": {
+                label: padding(recorder.token_counts, sizes)
+                for label, sizes in size_lists().items()
+            },
         }
         results["modes"].append(entry)
         print(json.dumps({key: v for key, v in entry.items() if key != "token_counts"}), flush=True)
