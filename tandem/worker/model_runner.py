@@ -27,7 +27,7 @@ from tandem.models.tensor_parallel import (
 )
 from tandem.worker.cuda_graphs import CudaGraphRunner, GraphBatch
 from tandem.worker.input_batch import StepInputs
-from tandem.worker.ragged_graphs import RaggedBatch, RaggedGraphRunner
+from tandem.worker.ragged_graphs import RaggedBatch, RaggedGraphRunner, ragged_outputs_bytes
 from tandem.worker.request_slots import RequestSlots
 from tandem.worker.spec_decode.draft_graphs import DraftGraphRunner
 from tandem.worker.spec_decode.hidden_cache import HiddenCache
@@ -225,8 +225,8 @@ class ModelRunner:
     def profile_peak_bytes(self) -> int:
         """Device memory a full step needs beyond the weights: a dry run of the largest
         prefill (``max_num_batched_tokens`` tokens) and its logits, measured on CUDA (twice
-        with CUDA graphs: the ragged steps' graphs keep a private pool as large; three times
-        with a one-layer MTP head's prompt graphs beside them), and with an
+        with CUDA graphs: the ragged steps' graphs keep a private pool as large, and their
+        outputs; three times with a one-layer MTP head's prompt graphs beside them), and with an
         MTP head the requests' device slots (``RequestSlots``)."""
         tokens = self.config.scheduler.max_num_batched_tokens
         blocks = -(-tokens // self.block_size)
@@ -264,6 +264,7 @@ class ModelRunner:
         # the logits of at most max_num_seqs rows, so at most the peak (an estimate).
         if self.uses_cuda_graphs:
             peak *= 3 if self.mtp_head is not None and self.mtp_head.num_layers == 1 else 2
+            peak += ragged_outputs_bytes(tokens, self.arch.hidden_size, self.dtype)
         del caches, hidden
         torch.cuda.empty_cache()
         if self.proposer is not None:  # the step pipeline's device slots, allocated later

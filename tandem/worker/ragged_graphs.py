@@ -59,6 +59,12 @@ def ragged_token_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
+def ragged_outputs_bytes(max_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Device memory the captured graphs' outputs hold in their pool: each graph keeps its
+    hidden states (``size`` rows) alive, beside the largest forward's working memory."""
+    return sum(ragged_token_sizes(max_tokens)) * hidden_size * dtype.itemsize
+
+
 @dataclass
 class RaggedBatch:
     """One ragged step's requests (host lists); its tokens are already in the runner's
