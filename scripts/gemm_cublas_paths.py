@@ -35,7 +35,8 @@ def _blas(library: str):
 @contextlib.contextmanager
 def _tunable():
     tunable = torch.cuda.tunable
-    tunable.write_file_on_exit(False)
+    if hasattr(tunable, "write_file_on_exit"):  # not in every torch
+        tunable.write_file_on_exit(False)
     tunable.enable(True)
     tunable.tuning_enable(True)
     try:
