@@ -99,3 +99,70 @@ def test_mixed_steps_launch_ahead_in_one_forward_and_match_the_parts(make_llm, p
     assert counts["chunk_beside_others"] >= 5
     assert counts["mixed"] >= 0.8 * counts["chunk_beside_others"], counts
     assert waited <= counts["chunk_beside_others"] - counts["mixed"] + 2, (waited, counts)
+
+
+def test_mixed_steps_replay_the_step_graphs_without_their_forward(make_llm):
+    """With the resolved-step graphs attached (not captured on the CPU: ``run`` computes
+    what a graph records, eagerly, under Triton's interpreter), a mixed step's resolved
+    rows take the graph without the forward, fed the shared forward's hidden states: the
+    tokens and logprobs of the eager mixed step, for the greedy family and the sampled
+    ones, on a tiny model whose random head drafts and gets rejected."""
+    from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs
+
+    engine = {
+        "model": "dummy:tiny",
+        "attention_backend": "triton",
+        "max_num_seqs": 3,
+        # Triton's interpreter copies every tensor argument per launch: a small cache.
+        "kv_cache_memory_gb": 0.01,
+        "enable_prefix_caching": False,
+        "speculative": "mtp",
+        "num_speculative_tokens": 2,
+        "speculative_model": "dummy",
+    }
+    # Five prompts three at a time, ending at different steps: prompts join decode rows.
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 3 * i))} for i in range(5)]
+    greedy = [
+        SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(5)
+    ]
+    sampled = [
+        SamplingParams(
+            temperature=0.9 if i % 2 else 0.0,
+            top_p=0.8 if i % 4 == 1 else 1.0,
+            seed=7 + i,
+            max_tokens=4 + 2 * i,
+            ignore_eos=True,
+            logprobs=2,
+        )
+        for i in range(5)
+    ]
+    eager = make_llm(**engine)
+    graphed = make_llm(**engine, enforce_eager=True)
+    mtp = graphed.engine.pipeline.mtp
+    mtp.step_graphs = ResolvedStepGraphs(graphed.engine.runner, mtp.slots, 3)
+    calls = []
+    run = mtp.step_graphs.run
+    mtp.step_graphs.run = lambda *args: calls.append((args[4], args[7] is not None)) or run(*args)
+    for llm in (eager, graphed):
+        llm.engine.pipeline.split_steps = False  # whole steps, as on models over 2 GiB
+    try:
+        for params in (greedy, sampled):
+            mixed_before = graphed.engine.pipeline.num_mixed_steps
+            want = eager.generate(prompts, params, use_tqdm=False)
+            calls.clear()
+            got = graphed.generate(prompts, params, use_tqdm=False)
+            mixed_calls = [family for family, mixed in calls if mixed]
+            assert graphed.engine.pipeline.num_mixed_steps - mixed_before == len(mixed_calls)
+            assert mixed_calls, calls
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+            for got_output, want_output in zip(got, want, strict=True):
+                got_logprobs = got_output.outputs[0].logprobs or []
+                want_logprobs = want_output.outputs[0].logprobs or []
+                assert len(got_logprobs) == len(want_logprobs)
+                for got_entry, want_entry in zip(got_logprobs, want_logprobs, strict=True):
+                    assert got_entry.keys() == want_entry.keys()
+                    for token, entry in want_entry.items():
+                        assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
+        assert {"sampled", "sampled_top_p"} & set(mixed_calls), calls
+    finally:
+        mtp.step_graphs = None

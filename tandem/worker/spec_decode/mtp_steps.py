@@ -94,15 +94,30 @@ class MTPSteps:
         (``SpeculativeConfig.drafts_for``), or fewer where a row's slot holds fewer, and
         the head drafts the schedule's number for the next step."""
         plans, num_drafts, depth = self._resolved_plans(step)
+        graphed = self._graphed(plans, num_drafts, depth)
+        if graphed is not None:
+            return plans, *graphed
+        sample, sampling_rows = launch_uniform_step(
+            self.runner, self.slots, plans, num_drafts, depth
+        )
+        return plans, sample, sampling_rows
+
+    def _graphed(
+        self,
+        plans: list[RowPlan],
+        num_drafts: int,
+        depth: int,
+        hidden: torch.Tensor | None = None,
+    ) -> tuple[StepSample, list[SamplingRow]] | None:
+        """The resolved step of ``plans`` as a step graph's replay (``hidden``: after a
+        forward shared with prompt chunks, the graph without the forward), or None where
+        no graph holds it (the eager step runs)."""
         graphs = self.step_graphs
         params = [plan.row.request.sampling_params for plan in plans]
         family = graph_family(params, self.runner.arch.vocab_size)
         size = None if graphs is None else graphs.padded_size(len(plans))
         if family is None or size is None or (num_drafts, depth) not in graphs.shapes[size]:
-            sample, sampling_rows = launch_uniform_step(
-                self.runner, self.slots, plans, num_drafts, depth
-            )
-            return plans, sample, sampling_rows
+            return None
         outputs = graphs.run(
             [plan.state.slot for plan in plans],
             [plan.row.block_ids for plan in plans],
@@ -111,18 +126,16 @@ class MTPSteps:
             family,
             params,
             [plan.state.seed for plan in plans],
+            hidden,
         )
         sampling_rows = resolved_sampling_rows(plans, num_drafts)
         candidates, emitted = outputs[0], outputs[1]
         if not any(p.logprobs is not None for p in params):
-            return plans, StepSample(candidates, emitted, [], None), sampling_rows
+            return StepSample(candidates, emitted, [], None), sampling_rows
         # Every candidate's logprobs (the API's largest top-N; each row reports its own N).
         logprobs = LogprobsTensors(*outputs[2:])
-        return (
-            plans,
-            StepSample(candidates, emitted, list(range(len(candidates))), logprobs),
-            sampling_rows,
-        )
+        sample = StepSample(candidates, emitted, list(range(len(candidates))), logprobs)
+        return sample, sampling_rows
 
     def _resolved_plans(self, step: SchedulerOutput) -> tuple[list[RowPlan], int, int]:
         """The plans of ``step``'s resolved rows, the drafts they verify, and the depth the
@@ -149,7 +162,11 @@ class MTPSteps:
         self, uniform: UniformInputs, hidden: torch.Tensor, depth: int
     ) -> tuple[list[RowPlan], StepSample, list[SamplingRow]]:
         """After the shared forward (``hidden``: the resolved rows' part): verification, the
-        slots' advance and drafting, eagerly, as ``launch_resolved`` does."""
+        slots' advance and drafting, as ``launch_resolved`` does (a step graph's replay
+        without its forward where one holds the rows, else eagerly)."""
+        graphed = self._graphed(uniform.plans, uniform.num_drafts, depth, hidden)
+        if graphed is not None:
+            return uniform.plans, *graphed
         metadata = uniform_metadata(self.runner, uniform)
         sample, sampling_rows = finish_uniform_step(
             self.runner, self.slots, uniform, hidden, depth, metadata

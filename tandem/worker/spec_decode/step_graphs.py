@@ -1,7 +1,9 @@
 """CUDA graphs of whole resolved MTP steps: one graph per padded batch size replays the
 target's verification forward, the verification, the slots' update and the MTP head's
 drafting, so a resolved step costs the host a few small copies and one replay instead of
-hundreds of launches.
+hundreds of launches. A second graph per shape (``mixed``) replays the same step without the
+forward, from hidden states copied into a static buffer: the resolved rows of a step whose
+forward they shared with prompt chunks (``StepPipeline._launch_mixed``).
 
 The graph reads static buffers that the host fills each step with non-blocking copies: the
 rows' slot ids and block tables, and for sampled batches the rows' sampling parameters and
@@ -22,6 +24,7 @@ step eagerly from the same buffers, with Triton's interpreter.
 from __future__ import annotations
 
 from functools import partial
+from itertools import product
 
 import torch
 
@@ -102,8 +105,14 @@ class ResolvedStepGraphs:
             for size, pairs in self.shapes.items()
             for v in {v for v, _ in pairs}
         }
-        # (family, padded size, drafts verified, drafts drafted): the graph, its outputs.
-        self.graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        # The target's hidden states of a mixed step's resolved rows (the graphs' input).
+        most_rows = max(size * (v + 1) for size, pairs in self.shapes.items() for v, _ in pairs)
+        self.mixed_hidden = torch.zeros(
+            (most_rows, runner.arch.hidden_size), dtype=runner.dtype, device=device
+        )
+        # (family, padded size, drafts verified, drafts drafted, mixed): graph and outputs.
+        self.graphs: dict[tuple[str, int, int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]]
+        self.graphs = {}
         self.num_replays = 0
 
     def padded_size(self, num_rows: int) -> int | None:
@@ -113,10 +122,10 @@ class ResolvedStepGraphs:
             return None
         return next((size for size in self.batch_sizes if size >= num_rows), None)
 
-    def _verify(self, size: int, num_drafts: int):
+    def _verify(self, size: int, num_drafts: int, mixed: bool):
         """The first ``size`` rows' verification rows (``num_drafts`` drafts each),
-        attention metadata and the target's hidden states and logits (in the model's
-        dtype)."""
+        attention metadata and the target's hidden states (its forward's, or with ``mixed``
+        those copied into ``mixed_hidden``) and logits (in the model's dtype)."""
         runner, q = self.runner, num_drafts + 1
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
         rows = verify_rows(
@@ -130,18 +139,23 @@ class ResolvedStepGraphs:
             query_start_loc_device=self.query_starts[q][: size + 1],
             seq_lens_device=rows.seq_lens,
         )
-        hidden = runner.model(
-            rows.input_ids, rows.positions, runner.kv_caches, metadata, runner.backend
-        )
+        if mixed:
+            hidden = self.mixed_hidden[: size * q]
+        else:
+            hidden = runner.model(
+                rows.input_ids, rows.positions, runner.kv_caches, metadata, runner.backend
+            )
         return rows, metadata, hidden, runner.model.model_dtype_logits(hidden)
 
-    def _step(self, size: int, num_drafts: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(
+        self, size: int, num_drafts: int, depth: int, mixed: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The greedy resolved step of the first ``size`` rows of the static buffers, each
         verifying ``num_drafts`` drafts and drafting ``depth``: candidates
         [size * (num_drafts + 1)] and emitted counts [size] (the slots are updated in
-        place)."""
+        place; ``mixed``: from ``mixed_hidden``, without the forward)."""
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
-        rows, metadata, hidden, logits = self._verify(size, num_drafts)
+        rows, metadata, hidden, logits = self._verify(size, num_drafts, mixed)
         candidates = argmax_rows(logits)
         accepted = accept(self.slots, slot_ids, rows, candidates)
         drafts = self._draft(hidden, candidates, rows, metadata, accepted, tables, slot_ids, depth)
@@ -149,15 +163,15 @@ class ResolvedStepGraphs:
         return candidates, accepted.emitted
 
     def _sampled_step(
-        self, size: int, top_p: bool, num_drafts: int, depth: int
+        self, size: int, top_p: bool, num_drafts: int, depth: int, mixed: bool
     ) -> tuple[torch.Tensor, ...]:
         """The resolved step of the first ``size`` rows with their sampling parameters
         (``sample_uniform``; top-p only in the ``top_p`` family), ``num_drafts`` and
-        ``depth`` as in ``_step``: candidates, emitted counts, and the four logprobs
+        ``depth`` and ``mixed`` as in ``_step``: candidates, emitted counts, and the four logprobs
         tensors of every candidate (top ``MAX_LOGPROBS``)."""
         slots = self.slots
         slot_ids, tables = self.slot_ids[:size], self.block_tables[:size]
-        rows, metadata, hidden, logits = self._verify(size, num_drafts)
+        rows, metadata, hidden, logits = self._verify(size, num_drafts, mixed)
         logits = logits.float()
         batch = SamplingBatch(
             self.temperature[:size],
@@ -252,24 +266,26 @@ class ResolvedStepGraphs:
         copy_to(self.min_p[:size], [p.min_p for p in params] + [0.0] * pad)
         copy_to(self.seeds[:size], list(seeds) + [0] * pad)
 
-    def _function(self, family: str, size: int, num_drafts: int, depth: int):
+    def _function(self, family: str, size: int, num_drafts: int, depth: int, mixed: bool):
         if family == "greedy":
-            return partial(self._step, size, num_drafts, depth)
-        return partial(self._sampled_step, size, family == "sampled_top_p", num_drafts, depth)
+            return partial(self._step, size, num_drafts, depth, mixed)
+        top_p = family == "sampled_top_p"
+        return partial(self._sampled_step, size, top_p, num_drafts, depth, mixed)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per family, padded batch size and its (drafts verified, drafts
-        drafted) pairs (``step_shapes``; largest first, one memory pool)."""
+        drafted) pairs (``step_shapes``), with the forward and without (``mixed``); largest
+        first, one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(self.runner.device)
         for family in FAMILIES:
             for size in reversed(self.batch_sizes):
-                for num_drafts, depth in self.shapes[size]:
+                for (num_drafts, depth), mixed in product(self.shapes[size], (False, True)):
                     self._fill([], [], size)
                     self._fill_sampling([], [], size)
-                    function = self._function(family, size, num_drafts, depth)
-                    key = (family, size, num_drafts, depth)
+                    function = self._function(family, size, num_drafts, depth, mixed)
+                    key = (family, size, num_drafts, depth, mixed)
                     self.graphs[key] = capture_graph(function, pool, stream)
         torch.cuda.synchronize()
 
@@ -282,10 +298,13 @@ class ResolvedStepGraphs:
         family: str = "greedy",
         params: list[SamplingParams] | None = None,
         seeds: list[int] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The resolved step of these rows (their slots and block tables, and for a sampled
         ``family`` their sampling ``params`` and key ``seeds``), each verifying
-        ``num_drafts`` drafts and drafting ``depth`` (a pair of ``shapes``): candidates
+        ``num_drafts`` drafts and drafting ``depth`` (a pair of ``shapes``); with
+        ``hidden`` (the target's hidden states of the rows' verification tokens, from a
+        forward they shared with other rows) everything after the forward: candidates
         [rows * (num_drafts + 1)] and emitted counts [rows], then for a sampled family the
         four logprobs tensors of every candidate; views of static buffers valid until the
         next replay (copies queued behind the replay read them in time). The host never
@@ -299,10 +318,15 @@ class ResolvedStepGraphs:
         self._fill(slot_ids, block_tables, size)
         if family != "greedy":
             self._fill_sampling(params, seeds, size)
+        mixed = hidden is not None
+        if mixed and len(hidden) != rows * (num_drafts + 1):
+            raise ValueError(f"{len(hidden)} hidden states for {rows} rows of {num_drafts + 1}")
+        if mixed:  # padding rows read stale hidden states: their outputs are dropped
+            self.mixed_hidden[: len(hidden)].copy_(hidden)
         if not self.graphs:  # not captured (the CPU): the same step, eagerly
-            outputs = self._function(family, size, num_drafts, depth)()
+            outputs = self._function(family, size, num_drafts, depth, mixed)()
         else:
-            graph, outputs = self.graphs[family, size, num_drafts, depth]
+            graph, outputs = self.graphs[family, size, num_drafts, depth, mixed]
             graph.replay()
             self.num_replays += 1
         num_logits = rows * (num_drafts + 1)
