@@ -66,10 +66,10 @@ class StepPipeline:
         self.batch = InputBatch(
             runner.device, runner.block_size, runner.max_model_len, slots, runner.config.seed
         )
-        # With an MTP head: which steps the device resolves, their launch, and drafting.
-        self.mtp = MTPSteps(runner, self.batch) if slots else None
         # Whether an MTP step whose rows are not all resolvable ahead goes in parts.
         self.split_steps = weight_bytes(runner.model) <= SPLIT_STEP_MAX_WEIGHT_BYTES
+        # With an MTP head: which steps the device resolves, their launch, and drafting.
+        self.mtp = MTPSteps(runner, self.batch, not self.split_steps) if slots else None
         self.reader = DeviceReader(self.device)
         self.grammars = RowGrammars(runner.config.model, runner.arch.vocab_size, self.reader)
         # The host's time in launch (preparing, queueing steps); of it, in MTP ragged parts.

@@ -34,7 +34,9 @@ from tandem.worker.step_sampler import SamplingRow, StepSample
 class MTPSteps:
     """Resolved launches and drafting for one step pipeline with an MTP head."""
 
-    def __init__(self, runner: ModelRunner, batch: InputBatch):
+    def __init__(self, runner: ModelRunner, batch: InputBatch, mixed_steps: bool = True):
+        """``mixed_steps``: whether steps of resolved rows and prompt chunks go as one
+        forward (steps whole), so that the step graphs without the forward are captured."""
         self.runner = runner
         self.batch = batch
         self.slots = batch.slots
@@ -46,7 +48,7 @@ class MTPSteps:
         self.step_graphs: ResolvedStepGraphs | None = None
         if runner.uses_cuda_graphs:
             self.step_graphs = ResolvedStepGraphs(
-                runner, self.slots, runner.config.scheduler.max_num_seqs
+                runner, self.slots, runner.config.scheduler.max_num_seqs, mixed_steps
             )
             self.capture()
 
@@ -117,6 +119,8 @@ class MTPSteps:
         family = graph_family(params, self.runner.arch.vocab_size)
         size = None if graphs is None else graphs.padded_size(len(plans))
         if family is None or size is None or (num_drafts, depth) not in graphs.shapes[size]:
+            return None
+        if hidden is not None and not graphs.mixed:  # steps in parts: none captured
             return None
         outputs = graphs.run(
             [plan.state.slot for plan in plans],

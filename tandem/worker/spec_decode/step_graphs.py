@@ -73,8 +73,12 @@ def step_shapes(spec, batch_sizes: list[int]) -> dict[int, list[tuple[int, int]]
 class ResolvedStepGraphs:
     """Captures and replays whole resolved MTP steps for greedy batches."""
 
-    def __init__(self, runner: ModelRunner, slots: RequestSlots, max_num_seqs: int):
+    def __init__(
+        self, runner: ModelRunner, slots: RequestSlots, max_num_seqs: int, mixed: bool = True
+    ):
+        """``mixed``: also the graphs without the forward (for mixed steps)."""
         self.runner = runner
+        self.mixed = mixed
         self.slots = slots
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.shapes = step_shapes(runner.config.speculative, self.batch_sizes)
@@ -275,13 +279,14 @@ class ResolvedStepGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per family, padded batch size and its (drafts verified, drafts
-        drafted) pairs (``step_shapes``), with the forward and without (``mixed``); largest
-        first, one memory pool."""
+        drafted) pairs (``step_shapes``), with the forward and, if ``mixed``, without;
+        largest first, one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(self.runner.device)
         for family in FAMILIES:
             for size in reversed(self.batch_sizes):
-                for (num_drafts, depth), mixed in product(self.shapes[size], (False, True)):
+                kinds = (False, True) if self.mixed else (False,)
+                for (num_drafts, depth), mixed in product(self.shapes[size], kinds):
                     self._fill([], [], size)
                     self._fill_sampling([], [], size)
                     function = self._function(family, size, num_drafts, depth, mixed)
