@@ -209,8 +209,9 @@ def test_the_oracle_engine_hides_no_synchronization_on_cuda(split_steps):
     """On the GPU, with torch's sync debug mode "error" on every step (only the reader's own
     wait is allowed): the oracle engine's steps, each request's recording written into the
     oracle's table at its first draft and, with steps going whole, the steps of resolved
-    rows and prompt chunks in one forward. A Python int assigned into the table's keys had
-    waited for the device at every joining prompt. The outputs are plain decoding's."""
+    rows and prompt chunks in one forward (their resolved rows' step graphs replayed without
+    the forward). A Python int assigned into the table's keys had waited for the device at
+    every joining prompt. The outputs are plain decoding's."""
     from tandem import LLM
 
     engine = {**ENGINE, "device": "cuda", "dtype": "float32"}
@@ -227,7 +228,17 @@ def test_the_oracle_engine_hides_no_synchronization_on_cuda(split_steps):
     )
     pipeline = llm.engine.pipeline
     pipeline.split_steps = split_steps
+    mixed_replays = []
+    if not split_steps:  # this small model's steps go in parts: capture the mixed graphs too
+        from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs
+
+        mtp = pipeline.mtp
+        mtp.step_graphs = ResolvedStepGraphs(llm.engine.runner, mtp.slots, 4, mixed=True)
+        mtp.capture()
+        run = mtp.step_graphs.run
+        mtp.step_graphs.run = lambda *args: mixed_replays.append(args[7] is not None) or run(*args)
     llm.generate(prompts[:2], _greedy(4), use_tqdm=False)  # warm-up: allocations, pinning
+    mixed_replays.clear()
     step_ahead, calls = pipeline.step_ahead, []
 
     def strict(step):
@@ -247,3 +258,5 @@ def test_the_oracle_engine_hides_no_synchronization_on_cuda(split_steps):
     assert _tokens(outputs) == reference
     assert len(calls) >= 8
     assert pipeline.num_mixed_steps > 0 or split_steps
+    # Whole: the mixed steps' resolved rows replayed the step graphs without the forward.
+    assert any(mixed_replays) or split_steps
