@@ -7,6 +7,7 @@ pair the schedule brings."""
 from __future__ import annotations
 
 import pytest
+from output_checks import assert_same_logprobs
 
 from tandem import SamplingParams
 from tandem.bench.datasets import load_mtbench
@@ -135,11 +136,4 @@ def test_the_step_graph_functions_draw_what_the_eager_step_draws_at_every_pair(m
     for got_outputs, want_outputs in zip(got, want, strict=True):
         assert _tokens(got_outputs) == _tokens(want_outputs)
         for got_output, want_output in zip(got_outputs, want_outputs, strict=True):
-            got_logprobs = got_output.outputs[0].logprobs or []
-            want_logprobs = want_output.outputs[0].logprobs or []
-            assert len(got_logprobs) == len(want_logprobs)
-            for got_entry, want_entry in zip(got_logprobs, want_logprobs, strict=True):
-                assert got_entry.keys() == want_entry.keys()
-                for token, entry in want_entry.items():
-                    assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
-                    assert got_entry[token].rank == entry.rank
+            assert_same_logprobs(got_output, want_output, ranks=True)

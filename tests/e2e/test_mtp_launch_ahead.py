@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from chat_prompts import mtbench_chat_prompts
+from output_checks import assert_same_logprobs
 
 from tandem import SamplingParams
 
@@ -327,15 +328,8 @@ def test_the_whole_step_graph_function_equals_the_eager_resolved_step(make_llm):
     assert (3, "sampled_top_p") in calls
     assert _tokens(got) == _tokens(want)
     for got_output, want_output in zip(got[:2], want[:2], strict=True):
-        got_logprobs, want_logprobs = (
-            got_output.outputs[0].logprobs,
-            want_output.outputs[0].logprobs,
-        )
-        for got_entry, want_entry in zip(got_logprobs, want_logprobs, strict=True):
-            assert got_entry.keys() == want_entry.keys()
-            for token, entry in want_entry.items():
-                assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
-                assert got_entry[token].rank == entry.rank
+        assert got_output.outputs[0].logprobs  # these two ask for them
+        assert_same_logprobs(got_output, want_output, ranks=True)
 
 
 def test_joining_prompts_launch_before_the_read_and_draft_as_after_it(

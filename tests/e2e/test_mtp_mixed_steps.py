@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from chat_prompts import mtbench_chat_prompts
+from output_checks import assert_same_logprobs
 
 from tandem import SamplingParams
 
@@ -83,11 +84,8 @@ def test_mixed_steps_launch_ahead_in_one_forward_and_match_the_parts(make_llm, p
     assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in parts]
     for got, want in zip(whole, parts, strict=True):
         assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
-        got_logprobs, want_logprobs = got.outputs[0].logprobs, want.outputs[0].logprobs
-        for got_entry, want_entry in zip(got_logprobs, want_logprobs, strict=True):
-            assert got_entry.keys() == want_entry.keys()
-            for token, entry in want_entry.items():
-                assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
+        assert got.outputs[0].logprobs  # every request asks for them
+        assert_same_logprobs(got, want)
     # Greedy requests: plain decoding's tokens.
     plain = make_llm(max_num_seqs=4, enable_prefix_caching=False)
     greedy = [i for i in range(len(prompts)) if _params(i).temperature == 0.0]
@@ -156,13 +154,7 @@ def test_mixed_steps_replay_the_step_graphs_without_their_forward(make_llm):
             assert mixed_calls, calls
             assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
             for got_output, want_output in zip(got, want, strict=True):
-                got_logprobs = got_output.outputs[0].logprobs or []
-                want_logprobs = want_output.outputs[0].logprobs or []
-                assert len(got_logprobs) == len(want_logprobs)
-                for got_entry, want_entry in zip(got_logprobs, want_logprobs, strict=True):
-                    assert got_entry.keys() == want_entry.keys()
-                    for token, entry in want_entry.items():
-                        assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
+                assert_same_logprobs(got_output, want_output)
         assert {"sampled", "sampled_top_p"} & set(mixed_calls), calls
     finally:
         mtp.step_graphs = None

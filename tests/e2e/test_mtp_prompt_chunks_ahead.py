@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from chat_prompts import mtbench_chat_prompts
+from output_checks import assert_same_logprobs
 
 from tandem import SamplingParams
 
@@ -71,12 +72,7 @@ def test_later_prompt_chunks_launch_before_the_read(make_llm, prompts, split_ste
     want = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in want]
     for got, expected in zip(outputs, want, strict=True):
-        for got_entry, want_entry in zip(
-            got.outputs[0].logprobs, expected.outputs[0].logprobs, strict=True
-        ):
-            assert got_entry.keys() == want_entry.keys()
-            for token, entry in want_entry.items():
-                assert abs(got_entry[token].logprob - entry.logprob) < 1e-4
+        assert_same_logprobs(got, expected)
     # Each later chunk launched once, and before the read of the step in front (several:
     # the prompts' shared chat-template start is a prefix hit, so short ones fit one chunk).
     assert len(set(later_chunks)) == len(later_chunks) >= 4
