@@ -34,7 +34,7 @@ from tandem.worker.step_sampler import SamplingRow, StepSample
 class MTPSteps:
     """Resolved launches and drafting for one step pipeline with an MTP head."""
 
-    def __init__(self, runner: ModelRunner, batch: InputBatch, mixed_steps: bool = True):
+    def __init__(self, runner: ModelRunner, batch: InputBatch, mixed_steps: bool):
         """``mixed_steps``: whether steps of resolved rows and prompt chunks go as one
         forward (steps whole), so that the step graphs without the forward are captured."""
         self.runner = runner

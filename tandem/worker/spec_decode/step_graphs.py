@@ -71,7 +71,8 @@ def step_shapes(spec, batch_sizes: list[int]) -> dict[int, list[tuple[int, int]]
 
 
 class ResolvedStepGraphs:
-    """Captures and replays whole resolved MTP steps for greedy batches."""
+    """Captures and replays whole resolved MTP steps (the families above), and with
+    ``mixed`` the same steps without their forward."""
 
     def __init__(
         self, runner: ModelRunner, slots: RequestSlots, max_num_seqs: int, mixed: bool = True
@@ -110,10 +111,12 @@ class ResolvedStepGraphs:
             for v in {v for v, _ in pairs}
         }
         # The target's hidden states of a mixed step's resolved rows (the graphs' input).
-        most_rows = max(size * (v + 1) for size, pairs in self.shapes.items() for v, _ in pairs)
-        self.mixed_hidden = torch.zeros(
-            (most_rows, runner.arch.hidden_size), dtype=runner.dtype, device=device
-        )
+        self.mixed_hidden: torch.Tensor | None = None
+        if mixed:
+            rows = max(size * (v + 1) for size, pairs in self.shapes.items() for v, _ in pairs)
+            self.mixed_hidden = torch.zeros(
+                (rows, runner.arch.hidden_size), dtype=runner.dtype, device=device
+            )
         # (family, padded size, drafts verified, drafts drafted, mixed): graph and outputs.
         self.graphs: dict[tuple[str, int, int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]]
         self.graphs = {}
@@ -324,6 +327,8 @@ class ResolvedStepGraphs:
         if family != "greedy":
             self._fill_sampling(params, seeds, size)
         mixed = hidden is not None
+        if mixed and not self.mixed:
+            raise ValueError("these step graphs hold no mixed steps (mixed=False)")
         if mixed and len(hidden) != rows * (num_drafts + 1):
             raise ValueError(f"{len(hidden)} hidden states for {rows} rows of {num_drafts + 1}")
         if mixed:  # padding rows read stale hidden states: their outputs are dropped
