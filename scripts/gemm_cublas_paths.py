@@ -2,9 +2,11 @@
 64 x (k + 1) rows through ``F.linear`` as the engine calls it, against other ways to ask
 cuBLAS for the same product: the cuBLASLt backend (``preferred_blas_library``), PyTorch's
 TunableOp (each shape tuned once, then replayed), the output columns in two GEMMs (other
-tiles, another wave count), and the rows padded to 256. Four weight copies per shape rotate
-so that the weights come from HBM; each path is timed over 100 launches with CUDA events and
-checked against ``F.linear`` (its largest absolute difference).
+tiles, another wave count), the rows padded to 256, and the weights stored transposed
+([in, out], ``x @ w``: cuBLAS's other operand layout and its kernels), plain and tuned.
+Four weight copies per shape rotate so that the weights come from HBM; each path is timed
+over 100 launches with CUDA events and checked against ``F.linear`` (its largest absolute
+difference).
 
 Usage (on a GPU): OUT=DIR python3 scripts/gemm_cublas_paths.py [ROWS,...]
 Writes ``$OUT/gemm-cublas-paths.json`` after every row count.
@@ -85,6 +87,8 @@ def main(rows: list[int]) -> None:
         "two_gemms": (_split, contextlib.nullcontext),
         "two_gemms_no_cat": (_split_only, contextlib.nullcontext),
         "padded_256": (_padded, contextlib.nullcontext),
+        "weights_in_out": (torch.mm, contextlib.nullcontext),
+        "weights_in_out_tunable": (torch.mm, _tunable),
     }
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
     for m in rows:
@@ -94,17 +98,19 @@ def main(rows: list[int]) -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, weights[0]).float()
             entry = {}
+            transposed = [w.t().contiguous() for w in weights]  # [in, out], for torch.mm
             for path, (fn, context) in paths.items():
                 if path == "padded_256" and m >= PADDED_ROWS:
                     continue
+                stored = transposed if path.startswith("weights_in_out") else weights
                 with context():
-                    entry[f"{path}_us"] = round(_timed_us(fn, x, weights), 2)
+                    entry[f"{path}_us"] = round(_timed_us(fn, x, stored), 2)
                     if path != "two_gemms_no_cat":
-                        diff = (fn(x, weights[0]).float() - want).abs().max().item()
+                        diff = (fn(x, stored[0]).float() - want).abs().max().item()
                         entry[f"{path}_max_abs_diff"] = diff
             row[name] = entry
             print(m, name, entry, flush=True)
-            del weights
+            del weights, transposed
         results["rows"][str(m)] = row
         with open(os.path.join(os.environ.get("OUT", "."), "gemm-cublas-paths.json"), "w") as f:
             json.dump(results, f, indent=1)

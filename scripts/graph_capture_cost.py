@@ -2,7 +2,9 @@
 head's prompt-draft graphs over the same sizes, where the model has a one-layer MTP head),
 per token budget (``max_num_batched_tokens``), each budget in a fresh process. Timers wrap
 the two ``capture`` methods; memory is ``torch.cuda.memory_reserved`` before and after each
-(the graphs' pool and their kept outputs), beside the whole engine's construction time.
+(the graphs' pool and their kept outputs), beside the whole engine's construction time;
+with a proposer, the resolved MTP steps' graphs too (``--speculative oracle`` for a dummy
+model without a head).
 
 Usage (on a GPU): python3 scripts/graph_capture_cost.py OUT.json MODEL [--tokens 2048,16384]
 [--speculative mtp] [--num-speculative-tokens 3]
@@ -25,6 +27,7 @@ def measure(model: str, tokens: int, speculative: str | None, k: int) -> dict:
     from tandem import LLM
     from tandem.worker.ragged_graphs import RaggedGraphRunner
     from tandem.worker.spec_decode.prompt_draft_graphs import PromptDraftGraphs
+    from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs
 
     costs: dict[str, dict] = {}
 
@@ -46,6 +49,7 @@ def measure(model: str, tokens: int, speculative: str | None, k: int) -> dict:
 
     timed(RaggedGraphRunner, "ragged")
     timed(PromptDraftGraphs, "prompt_drafts")
+    timed(ResolvedStepGraphs, "step_graphs")
     start = time.perf_counter()
     options = {"num_speculative_tokens": k} if speculative else {}
     LLM(
