@@ -7,7 +7,7 @@ with a proposer, the resolved MTP steps' graphs too (``--speculative oracle`` fo
 model without a head).
 
 Usage (on a GPU): python3 scripts/graph_capture_cost.py OUT.json MODEL [--tokens 2048,16384]
-[--speculative mtp] [--num-speculative-tokens 3]
+[--speculative mtp|oracle] [--num-speculative-tokens 3]
 """
 
 from __future__ import annotations
