@@ -1,7 +1,7 @@
 """What the ragged graphs cost at start: seconds and device memory to capture them (and the
 head's prompt-draft graphs over the same sizes, where the model has a one-layer MTP head),
 per token budget (``max_num_batched_tokens``), each budget in a fresh process. Timers wrap
-the two ``capture`` methods; memory is ``torch.cuda.memory_reserved`` before and after each
+the ``capture`` methods; memory is ``torch.cuda.memory_reserved`` before and after each
 (the graphs' pool and their kept outputs), beside the whole engine's construction time;
 with a proposer, the resolved MTP steps' graphs too (``--speculative oracle`` for a dummy
 model without a head).
