@@ -158,3 +158,33 @@ def test_mixed_steps_replay_the_step_graphs_without_their_forward(make_llm):
         assert {"sampled", "sampled_top_p"} & set(mixed_calls), calls
     finally:
         mtp.step_graphs = None
+
+
+def test_step_graphs_without_mixed_ones_refuse_hidden_states(make_llm):
+    """Step graphs built without the mixed ones (steps in parts) hold no buffer for a
+    shared forward's hidden states and refuse them, before writing any static buffer;
+    hidden states of the wrong row count are refused too."""
+    import torch
+
+    from tandem.worker.spec_decode.step_graphs import ResolvedStepGraphs
+
+    llm = make_llm(
+        model="dummy:tiny",
+        max_num_seqs=2,
+        speculative="mtp",
+        num_speculative_tokens=2,
+        speculative_model="dummy",
+    )
+    runner, slots = llm.engine.runner, llm.engine.pipeline.mtp.slots
+    hidden_size = runner.arch.hidden_size
+    plain = ResolvedStepGraphs(runner, slots, 2, mixed=False)
+    assert plain.mixed_hidden is None
+    num_drafts, depth = plain.shapes[plain.padded_size(1)][0]
+    hidden = torch.zeros((num_drafts + 1, hidden_size), dtype=runner.dtype)
+    before = plain.slot_ids.clone()  # the scratch slot (0) everywhere
+    with pytest.raises(ValueError, match="no mixed steps"):
+        plain.run([1], [[runner.scratch_block]], num_drafts, depth, hidden=hidden)
+    assert torch.equal(plain.slot_ids, before)
+    mixed = ResolvedStepGraphs(runner, slots, 2, mixed=True)
+    with pytest.raises(ValueError, match="hidden states for 1 rows"):
+        mixed.run([1], [[runner.scratch_block]], num_drafts, depth, hidden=hidden[:0])

@@ -72,6 +72,7 @@ def test_later_prompt_chunks_launch_before_the_read(make_llm, prompts, split_ste
     want = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in want]
     for got, expected in zip(outputs, want, strict=True):
+        assert got.outputs[0].logprobs  # every request asks for them
         assert_same_logprobs(got, expected)
     # Each later chunk launched once, and before the read of the step in front (several:
     # the prompts' shared chat-template start is a prefix hit, so short ones fit one chunk).

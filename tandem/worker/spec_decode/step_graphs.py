@@ -323,14 +323,14 @@ class ResolvedStepGraphs:
             raise ValueError(f"{rows} rows: more than the largest step graph")
         if (num_drafts, depth) not in self.shapes[size]:
             raise ValueError(f"no step graph verifies {num_drafts} and drafts {depth} at {size}")
-        self._fill(slot_ids, block_tables, size)
-        if family != "greedy":
-            self._fill_sampling(params, seeds, size)
         mixed = hidden is not None
         if mixed and not self.mixed:
             raise ValueError("these step graphs hold no mixed steps (mixed=False)")
         if mixed and len(hidden) != rows * (num_drafts + 1):
             raise ValueError(f"{len(hidden)} hidden states for {rows} rows of {num_drafts + 1}")
+        self._fill(slot_ids, block_tables, size)
+        if family != "greedy":
+            self._fill_sampling(params, seeds, size)
         if mixed:  # padding rows read stale hidden states: their outputs are dropped
             self.mixed_hidden[: len(hidden)].copy_(hidden)
         if not self.graphs:  # not captured (the CPU): the same step, eagerly
