@@ -18,10 +18,9 @@ modes are followed by ``mtp+overlap`` with the oracle proposer at each rate
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
-from typing import Any
 
+from tandem.bench.decode_engines import EngineSpec, shut_down
 from tandem.bench.decode_interleaved import (
     DEFAULT_KV_GB_EACH,
     interleaved_steady,
@@ -58,59 +57,6 @@ def mode_name(mode: dict) -> str:
     return next(name for name, named in MODE_NAMES.items() if named == flags)
 
 
-@dataclasses.dataclass
-class EngineSpec:
-    """How each mode's engine is built (beside its mode)."""
-
-    model: str | None
-    device: str
-    dtype: str | None
-    max_num_seqs: int
-    num_speculative_tokens: int
-    speculative_model: str | None
-    kv_cache_memory_gb: float | None
-    draft_schedule: tuple[tuple[int, int], ...] = ()  # MTP and oracle engines'
-
-    def build(self, mode: dict) -> Any:
-        """One engine for ``mode`` (the oracle's gets no recordings yet)."""
-        from tandem import LLM
-
-        extra: dict = {}
-        k = self.num_speculative_tokens
-        if mode.get("oracle") is not None:
-            extra.update(
-                speculative="oracle", num_speculative_tokens=k, oracle_corruption=mode["oracle"]
-            )
-        elif mode["mtp"]:
-            extra.update(speculative="mtp", num_speculative_tokens=k)
-            extra["speculative_model"] = self.speculative_model
-        if self.draft_schedule and "speculative" in extra:
-            extra["speculative_draft_schedule"] = self.draft_schedule
-        if self.kv_cache_memory_gb is not None:
-            extra["kv_cache_memory_gb"] = self.kv_cache_memory_gb
-        return LLM(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            max_num_seqs=self.max_num_seqs,
-            overlap=mode["overlap"],
-            **extra,
-        )
-
-
-def _shut_down(llms: list, device: str) -> None:
-    """Shut the engines down and give their GPU memory back before the next is built:
-    ``shutdown`` frees the KV cache and graphs and thaws the GC heap an engine freezes at
-    start-up on CUDA, without which a dropped engine's cycles are never collected."""
-    for llm in llms:
-        llm.engine.shutdown()
-    gc.collect()
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
-
-
 def run_decode_bench(
     model,
     batch_sizes: list[int],
@@ -132,6 +78,7 @@ def run_decode_bench(
     steady_rounds: int = 1,
     fixed_repeats: int = 1,
     draft_schedule: tuple[tuple[int, int], ...] = (),
+    profile_steady: bool = False,
 ) -> dict:
     """Decode throughput and GPU idle fraction of every mode at every batch size.
 
@@ -151,6 +98,7 @@ def run_decode_bench(
     alternation, all their engines alive at once (:mod:`tandem.bench.decode_interleaved`;
     ``kind: steady_round``, the summary in ``steady_rounds``; the oracle's engines keep
     their own). ``draft_schedule``: the MTP and oracle engines' (``SpeculativeConfig``).
+    ``profile_steady`` (CUDA): each steady row runs once more under the profiler.
     Returns ``{"config": ..., "runs": [...]}`` and writes it as ``decode-<device>-<stamp>.json``
     under ``out_dir`` when one is given.
     """
@@ -184,6 +132,7 @@ def run_decode_bench(
         steady_state_requests,
         steady_max_tokens,
         fixed_repeats=fixed_repeats,
+        profile_steady=profile_steady,
     )
     engines = EngineSpec(
         model,
@@ -214,6 +163,7 @@ def run_decode_bench(
         "steady_batch_size": max(batch_sizes) if steady_state_requests else None,
         "steady_rounds": steady_rounds,
         "fixed_repeats": fixed_repeats,
+        "profile_steady": profile_steady,
         "oracle_corruptions": rates,
         "temperature": temperature,
         "top_p": top_p,
@@ -232,7 +182,7 @@ def run_decode_bench(
             llm = engines.build(MODE_NAMES["overlap"])
             rows.sample_steady(llm)
             recordings = record_rows(llm, "overlap", rows, k, results["config"])
-            _shut_down([llm], device)
+            shut_down([llm], device)
             del llm
         llm = engines.build(mode)
         if oracle:
@@ -255,7 +205,7 @@ def run_decode_bench(
             record_run(run, results, path)
         if rates and recordings is None and not mode["mtp"]:
             recordings = record_rows(llm, mode_name(mode), rows, k, results["config"])
-        _shut_down([llm], device)
+        shut_down([llm], device)
         del llm
     if steady_rounds > 1 and rows.steady:
         _interleaved_rows(engines, modes, rows, k, steady_rounds, warmup, results, path)
@@ -285,7 +235,7 @@ def _interleaved_rows(engines, modes, rows, k, rounds, warmup, results, path) ->
         record_run(run, results, path)
     results["steady_rounds"] = summarize_rounds(made, [name for name, _, _ in built])
     results["steady_rounds"]["kv_cache_memory_gb_each"] = kv_gb
-    _shut_down([llm for _, llm, _ in built], engines.device)
+    shut_down([llm for _, llm, _ in built], engines.device)
     del built, llm
 
 
@@ -348,6 +298,11 @@ def add_cli_arguments(parser) -> None:
         "engines alive at once, with the median ratio to the first mode",
     )
     parser.add_argument(
+        "--profile-steady",
+        action="store_true",
+        help="on CUDA, each steady row (not the rounds) runs once more under the profiler",
+    )
+    parser.add_argument(
         "--fixed-repeats",
         type=int,
         default=1,
@@ -394,5 +349,6 @@ def main_from_args(args) -> int:
         steady_rounds=args.steady_rounds,
         fixed_repeats=args.fixed_repeats,
         draft_schedule=args.draft_schedule,
+        profile_steady=args.profile_steady,
     )
     return 0

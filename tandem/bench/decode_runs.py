@@ -314,11 +314,18 @@ def steady_run(
     max_tokens: int,
     recordings: dict | None = None,
     sampling: Any = None,
+    first_tokens: bool = True,
+    profile: bool = False,
 ) -> dict:
     """Every request submitted at once to ``llm`` (whose ``max_num_seqs`` is
     ``batch_size``), each with its own output length as ``max_tokens`` (``kind: steady``;
     ``max_tokens`` is the cap the lengths were held to, reported); ``sampling``: the
-    SamplingParams whose temperature and top-p they take (greedy when None)."""
+    SamplingParams whose temperature and top-p they take (greedy when None).
+    ``first_tokens``: the same requests also generate one token each, timed
+    (``first_token_seconds``: their prefill, in waves of ``batch_size``, not interleaved
+    with decoding as in the run), and ``decode_tokens_per_s`` counts the tokens after each
+    request's first over the seconds past that. ``profile`` (CUDA): the run once more under
+    the profiler (``profiled_generate``'s fields)."""
     from tandem import SamplingParams
 
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
@@ -329,7 +336,7 @@ def steady_run(
     seconds, tokens = _timed(llm, prompts, params, recordings, tally)
     after = _snapshot(llm)
     num_steps = _counter_delta(before, after, "num_steps")
-    return {
+    run = {
         "kind": "steady",
         "batch_size": batch_size,
         "num_requests": len(requests),
@@ -348,6 +355,11 @@ def steady_run(
         **_match_field(tally),
         "gpu_idle_fraction": None,  # not profiled
     }
+    if first_tokens:
+        run.update(decode_after_first_tokens(llm, prompts, params, seconds, tokens, 1))
+    if profile and str(llm.config.device).startswith("cuda"):
+        run.update(profiled_generate(llm, prompts, params, str(llm.config.device), seconds))
+    return run
 
 
 @dataclass
@@ -363,6 +375,7 @@ class DecodeRows:
     steady_max_tokens: int
     steady: list[BenchRequest] | None = None  # sampled with the first engine, then kept
     fixed_repeats: int = 1  # timed generates a fixed row takes the median of
+    profile_steady: bool = False  # the steady row once more under the profiler (CUDA)
 
     def sample_steady(self, llm: Any) -> None:
         """The steady rows' ShareGPT requests, sampled once for every mode."""
@@ -391,4 +404,5 @@ class DecodeRows:
                 self.steady_max_tokens,
                 recordings,
                 self.params,
+                profile=self.profile_steady,
             )

@@ -67,10 +67,14 @@ def decode_after_first_tokens(
     one token each (their prefill and first token; the median is ``first_token_seconds``),
     and the tokens after each request's first over the seconds past that
     (``decode_tokens_per_s``). Both modes pay the same prefill, which the whole generate's
-    tok/s counts in."""
-    if params.max_tokens is None or params.max_tokens < 2:
+    tok/s counts in. ``params``: one SamplingParams for every prompt, or a list (one each);
+    nothing is timed when no request asks for a second token."""
+    per_request = params if isinstance(params, list) else [params]
+    if all(p.max_tokens is None or p.max_tokens < 2 for p in per_request):
         return {}
-    first_token = dataclasses.replace(params, max_tokens=1)
+    first_token = [dataclasses.replace(p, max_tokens=1) for p in per_request]
+    if not isinstance(params, list):
+        first_token = first_token[0]
     each = [timed_generate(llm, prompts, first_token)[0] for _ in range(repeats)]
     first_seconds = statistics.median(each)
     decode_seconds = seconds - first_seconds  # None below: noise outran the decode

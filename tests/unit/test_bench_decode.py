@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.bench import decode_runs
+from tandem.bench import decode_runs, timing
 from tandem.bench.datasets import BenchRequest
-from tandem.bench.decode import EngineSpec, mode_name, parse_modes, run_decode_bench
+from tandem.bench.decode import mode_name, parse_modes, run_decode_bench
+from tandem.bench.decode_engines import EngineSpec
 from tandem.bench.timing import fixed_and_per_step
 from tandem.cli import build_parser
 
@@ -87,6 +88,11 @@ def test_run_decode_bench_on_cpu(tmp_path, capsys, tokenizer_loaded_once):
         else:  # every request ran to its own length (EOS ignored)
             assert run["num_requests"] == 5 and run["max_tokens"] == 8
             assert run["output_tokens"] == run["requested_output_tokens"] <= 5 * 8
+            # Its one-token generate timed once, the decode past it counted.
+            assert run["first_token_seconds_each"] == [run["first_token_seconds"]]
+            decode_seconds = run["seconds"] - run["first_token_seconds"]
+            decode_tokens = run["output_tokens"] - run["num_requests"]
+            assert run["decode_tokens_per_s"] == pytest.approx(decode_tokens / decode_seconds)
     with open(results["output_path"]) as f:
         assert json.load(f)["runs"] == runs
     assert results["output_path"].startswith(str(tmp_path / "decode-cpu-"))
@@ -242,15 +248,21 @@ def test_steady_rows_submit_every_request_at_once_with_its_dataset_length(monkey
         return sampled
 
     monkeypatch.setattr(decode_runs, "load_sharegpt", fake_load)
-    llm = _CountingLLM([(2.0, 100, 40, 60)], max_model_len=130)
+    # The run, then its one-token generate (the requests' prefill and first tokens).
+    llm = _CountingLLM([(2.0, 100, 40, 60), (0.5, 3, 0, 0)], max_model_len=130)
     requests = decode_runs.steady_requests(llm, 3, max_tokens=64)
     assert seen["num_requests"] == 3 and seen["max_output_len"] == 64
     assert [len(r.prompt) for r in requests] == [12, 22, 92]
     # 130 - 92 - 8 (the margin) = 30 for the longest prompt.
     assert [r.output_len for r in requests] == [40, 7, 30]
     monkeypatch.setattr(decode_runs, "timed_generate", llm.timed_generate)
+    monkeypatch.setattr(timing, "timed_generate", llm.timed_generate)
     run = decode_runs.steady_run(llm, requests, 2, 3, 64)
-    ((prompts, params),) = llm.calls
+    (prompts, params), (first_prompts, first_params) = llm.calls
+    assert first_prompts == prompts and [p.max_tokens for p in first_params] == [1, 1, 1]
+    assert run["first_token_seconds"] == 0.5 and run["first_token_seconds_each"] == [0.5]
+    # The 97 tokens after the 3 first ones over the 1.5 s past the first tokens.
+    assert run["decode_tokens_per_s"] == pytest.approx(97 / 1.5)
     assert len(prompts) == 3 and [p.max_tokens for p in params] == [40, 7, 30]
     assert all(p.ignore_eos and p.temperature == 0.0 for p in params)
     assert run["kind"] == "steady" and run["num_requests"] == 3 and run["batch_size"] == 2
