@@ -325,7 +325,8 @@ def steady_run(
     (``first_token_seconds``: their prefill, in waves of ``batch_size``, not interleaved
     with decoding as in the run), and ``decode_tokens_per_s`` counts the tokens after each
     request's first over the seconds past that. ``profile`` (CUDA): the run once more under
-    the profiler (``profiled_generate``'s fields)."""
+    the profiler (``profiled_generate``'s fields). Both start from an empty prefix cache,
+    as the timed run did."""
     from tandem import SamplingParams
 
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
@@ -355,9 +356,13 @@ def steady_run(
         **_match_field(tally),
         "gpu_idle_fraction": None,  # not profiled
     }
+    # The timed run met these prompts for the first time: so do the runs after it (with their
+    # prompts in the prefix cache, their prefill would be a block or so each).
     if first_tokens:
+        llm.engine.block_manager.reset_prefix_cache()
         run.update(decode_after_first_tokens(llm, prompts, params, seconds, tokens, 1))
     if profile and str(llm.config.device).startswith("cuda"):
+        llm.engine.block_manager.reset_prefix_cache()
         run.update(profiled_generate(llm, prompts, params, str(llm.config.device), seconds))
     return run
 

@@ -153,11 +153,15 @@ class _CountingLLM:
             max_model_len=max_model_len,
             pipeline=pipeline,
             runner=runner,
+            block_manager=SimpleNamespace(reset_prefix_cache=self._reset_prefix_cache),
         )
         self.tokenizer = SimpleNamespace(
             apply_chat_template=lambda messages: [1, 2] + [7] * len(messages[0]["content"])
         )
         self.calls = []
+
+    def _reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
 
     def get_metrics(self):
         return {
@@ -258,7 +262,9 @@ def test_steady_rows_submit_every_request_at_once_with_its_dataset_length(monkey
     monkeypatch.setattr(decode_runs, "timed_generate", llm.timed_generate)
     monkeypatch.setattr(timing, "timed_generate", llm.timed_generate)
     run = decode_runs.steady_run(llm, requests, 2, 3, 64)
-    (prompts, params), (first_prompts, first_params) = llm.calls
+    # The one-token generate meets the prompts as the run did: not in the prefix cache.
+    (prompts, params), reset, (first_prompts, first_params) = llm.calls
+    assert reset == "reset_prefix_cache"
     assert first_prompts == prompts and [p.max_tokens for p in first_params] == [1, 1, 1]
     assert run["first_token_seconds"] == 0.5 and run["first_token_seconds_each"] == [0.5]
     # The 97 tokens after the 3 first ones over the 1.5 s past the first tokens.
