@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.bench.datasets import BenchRequest, load_mtbench, load_sharegpt
+from tandem.bench.decode_counts import HOST_CLOCKS, counter_delta, snapshot, spec_fields
 from tandem.bench.device_profile import profile_generate
 from tandem.bench.spec import acceptance
 from tandem.bench.timing import decode_after_first_tokens, fixed_and_per_step, timed_generate
@@ -118,53 +119,6 @@ def _match_field(tally: list) -> dict:
     return {"recording_match": tally[0] / tally[1]} if tally[1] else {}
 
 
-def _counter_delta(before: dict, after: dict, name: str) -> int:
-    return after.get(name, 0) - before.get(name, 0)
-
-
-def _spec_fields(before: dict, after: dict, k: int | None) -> dict:
-    """The acceptance numbers and the step pipeline's counts (``_snapshot``) between two
-    snapshots (none without speculation)."""
-    if not k:
-        return {}
-    counts = after["pipeline"]
-    return {
-        **acceptance(before, after, k),
-        **{name: counts[name] - before["pipeline"][name] for name in counts},
-    }
-
-
-# The host's clocks in ``_snapshot``: launching steps, of it MTP ragged parts, and waiting.
-_HOST_CLOCKS = ("host_launch_s", "host_ragged_launch_s", "host_wait_s")
-
-
-def _snapshot(llm: Any) -> dict:
-    """The engine's metrics and, under ``pipeline``, how many MTP steps so far launched rows
-    before the read of the step in front (resolved rows; joining prompts) or had a part that
-    waited for it, how many resolved parts ran, and of those how many replayed a CUDA graph
-    (the rest ran eagerly: no graph for their size, or the slots' storage grew since the
-    capture) or shared one forward with prompt chunks (``steps_mixed``), how many ragged
-    parts drafted through the prompt draft graphs (``prompt_draft_graphs``), and the host's
-    seconds in launches (and of those, in ragged parts) and in waits for the device."""
-    pipeline = llm.engine.pipeline
-    graphs = pipeline.mtp.step_graphs if pipeline.mtp is not None else None
-    proposer = llm.engine.runner.proposer
-    prompt_graphs = getattr(proposer, "prompt_graphs", None)
-    counts = {
-        "steps_launched_ahead": pipeline.num_launched_ahead,
-        "steps_prompts_ahead": pipeline.num_prompts_ahead,
-        "steps_parts_after_read": pipeline.num_parts_after_read,
-        "steps_resolved": pipeline.num_resolved_steps,
-        "steps_resolved_in_graphs": graphs.num_replays if graphs is not None else 0,
-        "steps_mixed": pipeline.num_mixed_steps,
-        "ragged_drafts_in_graphs": prompt_graphs.num_replays if prompt_graphs else 0,
-        "host_launch_s": pipeline.launch_seconds,  # preparing and queueing steps
-        "host_ragged_launch_s": pipeline.ragged_launch_seconds,  # of it, MTP ragged parts
-        "host_wait_s": pipeline.reader.wait_seconds,  # waiting for the device at reads
-    }
-    return {**llm.get_metrics(), "pipeline": counts}
-
-
 def fixed_run(
     llm: Any,
     batch_size: int,
@@ -184,9 +138,9 @@ def fixed_run(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompts = mtbench_prompts(llm, batch_size)
     tally = [0, 0]
-    before = _snapshot(llm)
+    before = snapshot(llm)
     first, tokens = _timed(llm, prompts, params, recordings, tally)
-    after = _snapshot(llm)
+    after = snapshot(llm)
     seconds_each = [first]
     seconds_each += [_timed(llm, prompts, params, recordings, tally)[0] for _ in range(repeats - 1)]
     seconds = statistics.median(seconds_each)
@@ -199,9 +153,9 @@ def fixed_run(
         "seconds": seconds,
         "seconds_each": seconds_each,
         "tokens_per_s": tokens / seconds,
-        "num_steps": _counter_delta(before, after, "num_steps"),
-        "num_preemptions": _counter_delta(before, after, "num_preemptions"),
-        **_spec_fields(before, after, k),
+        "num_steps": counter_delta(before, after, "num_steps"),
+        "num_preemptions": counter_delta(before, after, "num_preemptions"),
+        **spec_fields(before, after, k),
         **_match_field(tally),
     }
     if device.startswith("cuda"):
@@ -229,24 +183,24 @@ def questions_run(
         raise ValueError(f"num_questions must be >= 1, got {num_questions}")
     questions = load_mtbench()
     prompts = mtbench_prompts(llm, num_questions)
-    first = _snapshot(llm)
+    first = snapshot(llm)
     per_question = []
     tally = [0, 0]
     for index, prompt in enumerate(prompts):
-        before = _snapshot(llm)
+        before = snapshot(llm)
         seconds, tokens = _timed(llm, [prompt], params, recordings, tally)
-        after = _snapshot(llm)
+        after = snapshot(llm)
         entry = {
             "question_id": questions[index % len(questions)].get("question_id"),
             "output_tokens": tokens,
             "seconds": seconds,
-            "num_steps": _counter_delta(before, after, "num_steps"),
-            **{name: after["pipeline"][name] - before["pipeline"][name] for name in _HOST_CLOCKS},
+            "num_steps": counter_delta(before, after, "num_steps"),
+            **{name: after["pipeline"][name] - before["pipeline"][name] for name in HOST_CLOCKS},
         }
         if k:
             entry["mean_acceptance_length"] = acceptance(before, after, k)["mean_acceptance_length"]
         per_question.append(entry)
-    last = _snapshot(llm)
+    last = snapshot(llm)
     tokens = sum(entry["output_tokens"] for entry in per_question)
     seconds = sum(entry["seconds"] for entry in per_question)
     run: dict = {
@@ -257,9 +211,9 @@ def questions_run(
         "output_tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
-        "num_steps": _counter_delta(first, last, "num_steps"),
-        "num_preemptions": _counter_delta(first, last, "num_preemptions"),
-        **_spec_fields(first, last, k),
+        "num_steps": counter_delta(first, last, "num_steps"),
+        "num_preemptions": counter_delta(first, last, "num_preemptions"),
+        **spec_fields(first, last, k),
         **_match_field(tally),
         "per_question": per_question,
     }
@@ -325,18 +279,21 @@ def steady_run(
     (``first_token_seconds``: their prefill, in waves of ``batch_size``, not interleaved
     with decoding as in the run), and ``decode_tokens_per_s`` counts the tokens after each
     request's first over the seconds past that. ``profile`` (CUDA): the run once more under
-    the profiler (``profiled_generate``'s fields). Both start from an empty prefix cache,
-    as the timed run did."""
+    the profiler (``profiled_generate``'s fields). Each of the three starts from an empty
+    prefix cache: cached, a prompt's prefill would shrink to its last partial block."""
     from tandem import SamplingParams
 
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
     base = sampling if sampling is not None else SamplingParams(temperature=0.0)
     params = [dataclasses.replace(base, ignore_eos=True, max_tokens=r.output_len) for r in requests]
     tally = [0, 0]
-    before = _snapshot(llm)
+    # Each run meets its prompts as new traffic would, outside the prefix cache (a round
+    # before it, or its own one-token generate, would have left them there).
+    llm.engine.block_manager.reset_prefix_cache()
+    before = snapshot(llm)
     seconds, tokens = _timed(llm, prompts, params, recordings, tally)
-    after = _snapshot(llm)
-    num_steps = _counter_delta(before, after, "num_steps")
+    after = snapshot(llm)
+    num_steps = counter_delta(before, after, "num_steps")
     run = {
         "kind": "steady",
         "batch_size": batch_size,
@@ -351,13 +308,14 @@ def steady_run(
         "tokens_per_s": tokens / seconds,
         "num_steps": num_steps,
         "output_tokens_per_step": tokens / num_steps if num_steps else None,
-        "num_preemptions": _counter_delta(before, after, "num_preemptions"),
-        **_spec_fields(before, after, k),
+        "num_preemptions": counter_delta(before, after, "num_preemptions"),
+        # Prompt tokens the run found cached: blocks its own requests share (a chat
+        # template's system prompt), as they would in serving.
+        "prefix_cache_hit_tokens": counter_delta(before, after, "prefix_cache_hits"),
+        **spec_fields(before, after, k),
         **_match_field(tally),
         "gpu_idle_fraction": None,  # not profiled
     }
-    # The timed run met these prompts for the first time: so do the runs after it (with their
-    # prompts in the prefix cache, their prefill would be a block or so each).
     if first_tokens:
         llm.engine.block_manager.reset_prefix_cache()
         run.update(decode_after_first_tokens(llm, prompts, params, seconds, tokens, 1))

@@ -128,6 +128,7 @@ class _CountingLLM:
         self.counters = {
             "num_steps": 0,
             "num_preemptions": 0,
+            "prefix_cache_hits": 0,
             "spec_decode_num_drafts": 0,
             "spec_decode_num_accepted_tokens": 0,
             "spec_decode_num_accepted_tokens_per_pos": [0, 0, 0],
@@ -176,6 +177,7 @@ class _CountingLLM:
         self.calls.append((prompts, params))
         seconds, tokens, drafts, accepted = self.script.pop(0)
         self.counters["num_steps"] += drafts
+        self.counters["prefix_cache_hits"] += 16 * len(prompts)  # a shared block each
         self.counters["spec_decode_num_drafts"] += drafts
         self.counters["spec_decode_num_accepted_tokens"] += accepted
         self.counters["spec_decode_num_accepted_tokens_per_pos"][0] += min(accepted, drafts)
@@ -262,11 +264,13 @@ def test_steady_rows_submit_every_request_at_once_with_its_dataset_length(monkey
     monkeypatch.setattr(decode_runs, "timed_generate", llm.timed_generate)
     monkeypatch.setattr(timing, "timed_generate", llm.timed_generate)
     run = decode_runs.steady_run(llm, requests, 2, 3, 64)
-    # The one-token generate meets the prompts as the run did: not in the prefix cache.
-    (prompts, params), reset, (first_prompts, first_params) = llm.calls
-    assert reset == "reset_prefix_cache"
+    # The run and its one-token generate meet the prompts outside the prefix cache.
+    reset, (prompts, params), reset_again, (first_prompts, first_params) = llm.calls
+    assert reset == reset_again == "reset_prefix_cache"
     assert first_prompts == prompts and [p.max_tokens for p in first_params] == [1, 1, 1]
     assert run["first_token_seconds"] == 0.5 and run["first_token_seconds_each"] == [0.5]
+    # The run's own cache hits (its three prompts'), not its one-token generate's.
+    assert run["prefix_cache_hit_tokens"] == 48
     # The 97 tokens after the 3 first ones over the 1.5 s past the first tokens.
     assert run["decode_tokens_per_s"] == pytest.approx(97 / 1.5)
     assert len(prompts) == 3 and [p.max_tokens for p in params] == [40, 7, 30]
