@@ -230,3 +230,8 @@ class LLM:
     def get_metrics(self) -> dict[str, float]:
         """Engine counters: requests, tokens, steps, preemptions, KV and prefix-cache use."""
         return self.engine.metrics()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block no request holds: the next prompts are computed
+        in full (as vLLM's ``LLM.reset_prefix_cache``)."""
+        self.engine.block_manager.reset_prefix_cache()

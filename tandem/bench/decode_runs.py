@@ -289,7 +289,7 @@ def steady_run(
     tally = [0, 0]
     # Each run meets its prompts as new traffic would, outside the prefix cache (a round
     # before it, or its own one-token generate, would have left them there).
-    llm.engine.block_manager.reset_prefix_cache()
+    llm.reset_prefix_cache()
     before = snapshot(llm)
     seconds, tokens = _timed(llm, prompts, params, recordings, tally)
     after = snapshot(llm)
@@ -317,10 +317,10 @@ def steady_run(
         "gpu_idle_fraction": None,  # not profiled
     }
     if first_tokens:
-        llm.engine.block_manager.reset_prefix_cache()
+        llm.reset_prefix_cache()
         run.update(decode_after_first_tokens(llm, prompts, params, seconds, tokens, 1))
     if profile and str(llm.config.device).startswith("cuda"):
-        llm.engine.block_manager.reset_prefix_cache()
+        llm.reset_prefix_cache()
         run.update(profiled_generate(llm, prompts, params, str(llm.config.device), seconds))
     return run
 

@@ -72,9 +72,8 @@ def decode_after_first_tokens(
     per_request = params if isinstance(params, list) else [params]
     if all(p.max_tokens is None or p.max_tokens < 2 for p in per_request):
         return {}
-    first_token = [dataclasses.replace(p, max_tokens=1) for p in per_request]
-    if not isinstance(params, list):
-        first_token = first_token[0]
+    one = [dataclasses.replace(p, max_tokens=1) for p in per_request]
+    first_token = one if isinstance(params, list) else one[0]
     each = [timed_generate(llm, prompts, first_token)[0] for _ in range(repeats)]
     first_seconds = statistics.median(each)
     decode_seconds = seconds - first_seconds  # None below: noise outran the decode

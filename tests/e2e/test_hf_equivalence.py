@@ -113,10 +113,30 @@ def test_greedy_matches_hf_with_chunked_prefill(make_llm, reference):
 def test_greedy_matches_hf_with_prefix_cache_hits(make_llm, reference):
     prompts, results = reference
     llm = make_llm()
-    llm.engine.block_manager.reset_prefix_cache()
+    llm.reset_prefix_cache()
     hits_before = llm.get_metrics()["prefix_cache_hits"]
     first = _run(llm, prompts["shared_system"])
     second = _run(llm, prompts["shared_system"])
     assert llm.get_metrics()["prefix_cache_hits"] - hits_before >= 16 * 64
     assert_matches_hf(first, results["shared_system"])
     assert_matches_hf(second, results["shared_system"])
+
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_in_full(make_llm):
+    """``LLM.reset_prefix_cache``: a prompt seen before hits the cache, and after a reset
+    the same prompt finds nothing cached (what `bench decode`'s steady rows rely on)."""
+    from tandem import SamplingParams
+
+    llm = make_llm()
+    prompt = [{"prompt_token_ids": list(range(1, 70))}]  # four full blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate(prompt, params, use_tqdm=False)
+
+    def hits_of_one_more_run():
+        before = llm.get_metrics()["prefix_cache_hits"]
+        llm.generate(prompt, params, use_tqdm=False)
+        return llm.get_metrics()["prefix_cache_hits"] - before
+
+    assert hits_of_one_more_run() == 64
+    llm.reset_prefix_cache()
+    assert hits_of_one_more_run() == 0

@@ -154,14 +154,13 @@ class _CountingLLM:
             max_model_len=max_model_len,
             pipeline=pipeline,
             runner=runner,
-            block_manager=SimpleNamespace(reset_prefix_cache=self._reset_prefix_cache),
         )
         self.tokenizer = SimpleNamespace(
             apply_chat_template=lambda messages: [1, 2] + [7] * len(messages[0]["content"])
         )
         self.calls = []
 
-    def _reset_prefix_cache(self):
+    def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
 
     def get_metrics(self):
