@@ -42,9 +42,8 @@ serve: $(STAMP)
 	$(VENV)/bin/tandem serve --host 127.0.0.1 --port 8000
 
 # The suite in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (its
-# servers and engines are module- or session-scoped), one torch thread each: on CI's two cores
-# that halves the wall time, where one process with two threads keeps the second core half
-# idle (docs/testing.md, "How long").
+# servers and engines are module- or session-scoped), one torch thread each: on a 2-core
+# machine like CI's, 24 minutes against 43 in one process (docs/testing.md, "How long").
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
