@@ -33,8 +33,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-# Engines kept alive at once: each holds its own fp32 weights and KV cache (over 1 GiB), and
-# CI has 24 GiB; tests that share a configuration run next to each other.
+# Engines kept alive at once in one test process (`make test` runs two, each with its own):
+# each holds its own fp32 weights and KV cache (over 1 GiB), and CI has 24 GiB (at least
+# 4.7 GB stayed free with two processes, docs/testing.md); tests that share a configuration
+# run next to each other.
 MAX_CACHED_ENGINES = 4
 # The engines of ``make_llm`` on another device and dtype: the GPU run of the CPU suite's
 # engine tests (``TANDEM_TEST_DEVICE=cuda TANDEM_TEST_DTYPE=float32
