@@ -56,9 +56,21 @@ async def stream_events(runs: list[RequestRun]) -> AsyncIterator[str]:
 
 
 def summed_usage(runs: list[RequestRun]) -> dict:
-    """The usage of several runs of one request."""
+    """The usage of several runs of one request: each prompt's tokens once, however many
+    samples (``n``, ``best_of``) were drawn from it, as OpenAI and vLLM count them; every
+    sample's completion tokens."""
     usages = [run.usage() for run in runs]
-    return {key: sum(u[key] for u in usages) for key in usages[0]}
+    prompt = sum(
+        u["prompt_tokens"]
+        for run, u in zip(runs, usages, strict=True)
+        if run.prepared.index % run.prepared.samples == 0
+    )
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 async def full_response(runs: list[RequestRun]) -> dict:

@@ -3,7 +3,8 @@ client: ``echo`` with and without logprobs (the prompt's logprobs equal the offl
 prompt logprobs), ``max_tokens: 0`` to score a prompt, several prompts in one request
 (choices by index, whole and streamed), the default ``max_tokens`` of 16, and vLLM's
 ``prompt_logprobs`` field on both endpoints; ``n`` samples per prompt (the prompt
-prefilled once: the prefix cache's counters; seeded samples reproducible)."""
+prefilled once: the prefix cache's counters; seeded samples reproducible; usage counts a
+prompt once)."""
 
 from __future__ import annotations
 
@@ -181,7 +182,8 @@ def test_n_samples_share_the_prompts_prefill_and_reproduce_with_a_seed(server, c
     expected = greedy(offline, {"prompt_token_ids": prompt}, 4).outputs[0].text
     assert [c.index for c in response.choices] == [0, 1, 2]
     assert [c.text for c in response.choices] == [expected] * 3
-    assert response.usage.completion_tokens == 12 and response.usage.prompt_tokens == 3 * 48
+    assert response.usage.completion_tokens == 12
+    assert response.usage.prompt_tokens == 48  # the prompt once, as OpenAI and vLLM count it
     # The second and third sample found the first's full blocks (all but the last token's).
     key = "tandem:prefix_cache_hits"
     hits = after[key] - before.get(key, 0.0)
@@ -208,6 +210,34 @@ def test_n_samples_share_the_prompts_prefill_and_reproduce_with_a_seed(server, c
         for choice in chunk.choices:
             joined[choice.index] += choice.delta.content or ""
     assert joined[0] == joined[1] != ""
+
+
+def test_usage_counts_each_prompt_once_however_many_samples(client, offline):
+    """OpenAI's and vLLM's usage: a prompt's tokens once per prompt, not once per sample
+    (``n``, ``best_of``); every generated token, streamed or whole."""
+    ids = [offline.tokenizer.encode(p) for p in (PROMPT, SECOND)]
+    prompt_tokens = sum(len(i) for i in ids)
+    base = {"model": MODEL, "prompt": [PROMPT, SECOND], "max_tokens": 2, "temperature": 0}
+    for extra, samples in (({"n": 2}, 2), ({"n": 2, "best_of": 3}, 3)):
+        whole = client.completions.create(**base, **extra)
+        assert len(whole.choices) == 4
+        assert whole.usage.prompt_tokens == prompt_tokens, extra
+        assert whole.usage.completion_tokens == 2 * samples * 2, extra
+        assert whole.usage.total_tokens == prompt_tokens + 2 * samples * 2
+    stream = client.completions.create(
+        **base, n=2, stream=True, stream_options={"include_usage": True}
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens == prompt_tokens
+    assert usage[0].completion_tokens == 8
+    one = client.chat.completions.create(
+        model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=2, temperature=0
+    )
+    two = client.chat.completions.create(
+        model=MODEL, messages=SHORT_ANSWER_CHAT, max_tokens=2, temperature=0, n=2
+    )
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens > 0
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
 
 
 def test_best_of_returns_the_samples_with_the_highest_cumulative_logprob(client):
