@@ -108,7 +108,10 @@ def validation_error_response(exc: RequestValidationError) -> Response:
         return error_response(400, "request body: invalid request")
     if any(e.get("type") == "json_invalid" for e in errors):
         first = next(e for e in errors if e.get("type") == "json_invalid")
-        return error_response(400, f"request body is not valid JSON: {first.get('msg', '')}")
+        why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        loc = first.get("loc", ())
+        where = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+        return error_response(400, f"request body is not valid JSON: {why}{where}")
     located = [(_param_of(tuple(e.get("loc", ()))), e) for e in errors]
     top = _top_field(located[0][0])
     same_field = [(p, e) for p, e in located if top and _top_field(p) == top]
@@ -139,6 +142,11 @@ def install_error_handlers(app: FastAPI) -> None:
         kind = _KIND_OF_STATUS.get(exc.status_code, "invalid_request_error")
         if exc.status_code >= 500:
             kind = "server_error"
+        cause = exc.__cause__
+        if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
+            # FastAPI's "There was an error parsing the body", when the bytes were the fault.
+            message = f"request body is not valid UTF-8: byte {cause.start} ({cause.reason})"
+            return error_response(400, message, kind)
         return error_response(exc.status_code, str(exc.detail), kind, headers=exc.headers)
 
     @app.exception_handler(Exception)

@@ -81,14 +81,21 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, path, body, word
 
 
 def test_malformed_json_is_400_not_500(server):
+    """Not JSON, or not UTF-8: a 400 saying which, and where."""
+    bodies = {
+        b"{not json": "not valid JSON: Expecting property name enclosed in double quotes at "
+        "character 1",
+        b'{"model": "m", "prompt": "\xff"}': "not valid UTF-8: byte 26 (invalid start byte)",
+    }
     for path in ("completions", "chat/completions"):
-        response = httpx.post(
-            f"{server}/v1/{path}",
-            content=b"{not json",
-            timeout=30,
-            headers={**AUTH, "Content-Type": "application/json"},
-        )
-        _check_error(response, 400, "json")
+        for body, words in bodies.items():
+            response = httpx.post(
+                f"{server}/v1/{path}",
+                content=body,
+                timeout=30,
+                headers={**AUTH, "Content-Type": "application/json"},
+            )
+            _check_error(response, 400, words)
 
 
 def test_errors_through_the_openai_client(client):
