@@ -60,11 +60,11 @@ def llm_cache():
     return OrderedDict()
 
 
-@pytest.fixture
-def make_llm(llm_cache, request):
-    """``make_llm(**kwargs)`` returns a (cached) LLM; every engine used by the test is
-    checked after it for leaked KV blocks and unfinished requests."""
-    used: list[LLM] = []
+@pytest.fixture(scope="session")
+def cached_llm(llm_cache):
+    """``cached_llm(**kwargs)`` returns the cached LLM of that configuration (the test
+    engine defaults applied, as ``make_llm`` does), without ``make_llm``'s checks: for
+    module-scoped fixtures, which then share ``make_llm``'s engines and device."""
 
     def factory(**kwargs) -> LLM:
         kwargs = {**TEST_ENGINE_DEFAULTS, **kwargs}
@@ -75,8 +75,20 @@ def make_llm(llm_cache, request):
                 evicted.engine.shutdown()
             llm_cache[key] = LLM(**kwargs)
         llm_cache.move_to_end(key)
-        used.append(llm_cache[key])
         return llm_cache[key]
+
+    return factory
+
+
+@pytest.fixture
+def make_llm(cached_llm, request):
+    """``make_llm(**kwargs)`` returns a (cached) LLM; every engine used by the test is
+    checked after it for leaked KV blocks and unfinished requests."""
+    used: list[LLM] = []
+
+    def factory(**kwargs) -> LLM:
+        used.append(cached_llm(**kwargs))
+        return used[-1]
 
     yield factory
     for llm in used:

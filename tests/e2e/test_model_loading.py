@@ -91,12 +91,9 @@ DUMMY_KWARGS = {"model": "dummy:tiny", "num_kv_blocks": 64}
 
 
 @pytest.fixture(scope="module")
-def dummy_llm(llm_cache) -> LLM:
-    """``dummy:tiny``, built once and cached under make_llm's key (kwargs, sorted)."""
-    key = tuple(sorted(DUMMY_KWARGS.items()))
-    if key not in llm_cache:
-        llm_cache[key] = LLM(**DUMMY_KWARGS)
-    return llm_cache[key]
+def dummy_llm(cached_llm) -> LLM:
+    """``dummy:tiny``, built once and shared with make_llm's engines."""
+    return cached_llm(**DUMMY_KWARGS)
 
 
 @pytest.fixture(scope="module")

@@ -34,15 +34,11 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def recorded(llm_cache):
+def recorded(cached_llm):
     """Plain decoding of 8 prompts (64 tokens each): the reference outputs, and the
-    recordings the oracle replays (k tokens longer, so drafts near the end are recorded)."""
-    from tandem import LLM
-
-    key = tuple(sorted(ENGINE.items()))
-    if key not in llm_cache:
-        llm_cache[key] = LLM(**ENGINE)
-    plain = llm_cache[key]
+    recordings the oracle replays (k tokens longer, so drafts near the end are recorded).
+    Made on the test engines' device (a dummy model's weights differ between devices)."""
+    plain = cached_llm(**ENGINE)
     prompts = _prompts(8)
     reference = _tokens(plain.generate(prompts, _greedy(64), use_tqdm=False))
     longer = _tokens(plain.generate(prompts, _greedy(64 + K), use_tqdm=False))
