@@ -23,14 +23,21 @@ def _host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
 
+def _pinned(values, dtype: torch.dtype) -> torch.Tensor:
+    """A pinned host tensor of ``values``: a list is written straight into pinned memory
+    (no pageable tensor first); an array or a tensor is copied into it."""
+    if isinstance(values, (list, tuple)):
+        return torch.tensor(values, dtype=dtype, pin_memory=True)
+    return _host_tensor(values, dtype).to(dtype).pin_memory()
+
+
 def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A device tensor of host ``values`` (a list, a numpy array or a host tensor), copied
     without a wait."""
     device = torch.device(device)
-    host = _host_tensor(values, dtype)
     if device.type != "cuda":
-        return host.to(dtype)
-    return host.to(dtype).pin_memory().to(device, non_blocking=True)
+        return _host_tensor(values, dtype).to(dtype)
+    return _pinned(values, dtype).to(device, non_blocking=True)
 
 
 @dataclass
@@ -122,7 +129,8 @@ class DeviceReader:
 def copy_to(destination: torch.Tensor, values) -> None:
     """Fill ``destination`` (a device buffer) from host ``values`` (a list or a numpy
     array) without a wait."""
-    host = _host_tensor(values, destination.dtype).to(destination.dtype)
     if destination.device.type == "cuda":
-        host = host.pin_memory()
+        host = _pinned(values, destination.dtype)
+    else:
+        host = _host_tensor(values, destination.dtype).to(destination.dtype)
     destination.copy_(host, non_blocking=True)

@@ -1,0 +1,96 @@
+"""Host time of one host-to-device copy as the engine makes them (``tandem.device_copy``),
+against the earlier way (a pageable host tensor first, then a pinned copy of it), for the
+sizes a step copies (a few ids to a batch's block tables). CUDA only. Each way's copies
+are checked equal first.
+
+Usage: python3 scripts/host_copy_bench.py OUT.json [--iters 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+
+import numpy as np
+import torch
+
+from tandem.device_copy import copy_to, to_device
+
+
+def to_device_before(values, dtype, device):
+    """The earlier ``to_device``: a pageable tensor, then a pinned copy, then the copy."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(values)
+    return host.to(dtype).pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_before(destination, values):
+    """The earlier ``copy_to``."""
+    host = values if isinstance(values, np.ndarray) else None
+    host = torch.from_numpy(host) if host is not None else torch.tensor(values)
+    destination.copy_(host.to(destination.dtype).pin_memory(), non_blocking=True)
+
+
+def per_call_us(fn, iters: int) -> float:
+    """Median over five rounds of the mean host microseconds of ``iters`` calls."""
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        rounds.append((time.perf_counter() - start) / iters * 1e6)
+    return sorted(rounds)[2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--iters", type=int, default=2000)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for size in (1, 8, 64, 256, 4096):
+        values = list(range(size))
+        array = np.arange(size, dtype=np.int32)
+        destination = torch.empty(size, dtype=torch.int32, device=device)
+        cases = {
+            "to_device list": (
+                partial(to_device_before, values, torch.int64, device),
+                partial(to_device, values, torch.int64, device),
+            ),
+            "to_device numpy": (
+                partial(to_device_before, array, torch.int32, device),
+                partial(to_device, array, torch.int32, device),
+            ),
+            "copy_to list": (
+                partial(copy_to_before, destination, values),
+                partial(copy_to, destination, values),
+            ),
+        }
+        for name, (before, now) in cases.items():
+            if name.startswith("to_device"):
+                assert torch.equal(before().cpu(), now().cpu()), name
+            row = {
+                "case": name,
+                "size": size,
+                "before_us": per_call_us(before, args.iters),
+                "now_us": per_call_us(now, args.iters),
+            }
+            rows.append(row)
+            print(f"{name:16s} {size:5d}: {row['before_us']:7.2f} -> {row['now_us']:7.2f} µs")
+        torch.cuda.synchronize()
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "iters": args.iters,
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
