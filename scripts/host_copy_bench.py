@@ -19,30 +19,37 @@ import torch
 from tandem.device_copy import copy_to, to_device
 
 
+def _host_before(values, dtype):
+    """The earlier host tensor: a numpy array shared, a list into a pageable tensor."""
+    if isinstance(values, torch.Tensor):
+        return values
+    if isinstance(values, np.ndarray):
+        return torch.from_numpy(values)
+    return torch.tensor(values, dtype=dtype)
+
+
 def to_device_before(values, dtype, device):
     """The earlier ``to_device``: a pageable tensor, then a pinned copy, then the copy."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if isinstance(values, np.ndarray):
-        host = torch.from_numpy(values)
-    return host.to(dtype).pin_memory().to(device, non_blocking=True)
+    return _host_before(values, dtype).to(dtype).pin_memory().to(device, non_blocking=True)
 
 
 def copy_to_before(destination, values):
     """The earlier ``copy_to``."""
-    host = values if isinstance(values, np.ndarray) else None
-    host = torch.from_numpy(host) if host is not None else torch.tensor(values)
-    destination.copy_(host.to(destination.dtype).pin_memory(), non_blocking=True)
+    host = _host_before(values, destination.dtype).to(destination.dtype).pin_memory()
+    destination.copy_(host, non_blocking=True)
 
 
-def per_call_us(fn, iters: int) -> float:
-    """Median over five rounds of the mean host microseconds of ``iters`` calls."""
-    rounds = []
+def per_call_us(before, now, iters: int) -> tuple[float, float]:
+    """The mean host microseconds of a call of each, over ``iters`` calls a round: the
+    median of five rounds, the two ways' rounds alternated."""
+    rounds: dict = {before: [], now: []}
     for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        rounds.append((time.perf_counter() - start) / iters * 1e6)
-    return sorted(rounds)[2]
+        for fn in (before, now):
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            rounds[fn].append((time.perf_counter() - start) / iters * 1e6)
+    return sorted(rounds[before])[2], sorted(rounds[now])[2]
 
 
 def main() -> None:
@@ -73,12 +80,8 @@ def main() -> None:
         for name, (before, now) in cases.items():
             if name.startswith("to_device"):
                 assert torch.equal(before().cpu(), now().cpu()), name
-            row = {
-                "case": name,
-                "size": size,
-                "before_us": per_call_us(before, args.iters),
-                "now_us": per_call_us(now, args.iters),
-            }
+            before_us, now_us = per_call_us(before, now, args.iters)
+            row = {"case": name, "size": size, "before_us": before_us, "now_us": now_us}
             rows.append(row)
             print(f"{name:16s} {size:5d}: {row['before_us']:7.2f} -> {row['now_us']:7.2f} µs")
         torch.cuda.synchronize()
