@@ -1,7 +1,7 @@
 """Host time of one host-to-device copy as the engine makes them (``tandem.device_copy``),
 against the earlier way (a pageable host tensor first, then a pinned copy of it), for the
-sizes a step copies (a few ids to a batch's block tables). CUDA only. Each way's copies
-are checked equal first.
+sizes a step copies (a few ids to a batch's block tables). CUDA only. The two ways of
+``to_device`` are checked to give equal tensors first.
 
 Usage: python3 scripts/host_copy_bench.py OUT.json [--iters 2000]
 """
