@@ -14,21 +14,18 @@ import numpy as np
 import torch
 
 
-def _host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor of a list, a numpy array (shared, not copied) or a tensor."""
+def _host_tensor(values, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """A host tensor of ``dtype`` holding ``values``: a list (or any sequence) is written
+    into a new tensor, pinned at once when ``pinned``; a numpy array is shared and a host
+    tensor taken as is, both converted to ``dtype`` and, when ``pinned``, copied into pinned
+    memory."""
     if isinstance(values, torch.Tensor):
-        return values
-    if isinstance(values, np.ndarray):
-        return torch.from_numpy(values)
-    return torch.tensor(values, dtype=dtype)
-
-
-def _pinned(values, dtype: torch.dtype) -> torch.Tensor:
-    """A pinned host tensor of ``values``: a list is written straight into pinned memory
-    (no pageable tensor first); an array or a tensor is copied into it."""
-    if isinstance(values, (list, tuple)):
-        return torch.tensor(values, dtype=dtype, pin_memory=True)
-    return _host_tensor(values, dtype).to(dtype).pin_memory()
+        host = values.to(dtype)
+    elif isinstance(values, np.ndarray):
+        host = torch.from_numpy(values).to(dtype)
+    else:
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned)
+    return host.pin_memory() if pinned else host
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -36,8 +33,8 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     without a wait."""
     device = torch.device(device)
     if device.type != "cuda":
-        return _host_tensor(values, dtype).to(dtype)
-    return _pinned(values, dtype).to(device, non_blocking=True)
+        return _host_tensor(values, dtype, pinned=False)
+    return _host_tensor(values, dtype, pinned=True).to(device, non_blocking=True)
 
 
 @dataclass
@@ -129,8 +126,5 @@ class DeviceReader:
 def copy_to(destination: torch.Tensor, values) -> None:
     """Fill ``destination`` (a device buffer) from host ``values`` (a list or a numpy
     array) without a wait."""
-    if destination.device.type == "cuda":
-        host = _pinned(values, destination.dtype)
-    else:
-        host = _host_tensor(values, destination.dtype).to(destination.dtype)
-    destination.copy_(host, non_blocking=True)
+    pinned = destination.device.type == "cuda"
+    destination.copy_(_host_tensor(values, destination.dtype, pinned), non_blocking=True)
